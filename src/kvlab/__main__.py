@@ -1,0 +1,5 @@
+"""`python -m kvlab` is the `kvlab` command."""
+
+from kvlab.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Exact KV-cache, weight, seats and latency arithmetic. Pure Python: stdlib only."""

@@ -1,0 +1,142 @@
+"""KV-cache storage formats and the exact bytes each one stores.
+
+This module is the single source of truth for cache bytes: `kvlab.cache` stores its codes,
+scales, zero points and full-precision residuals in exactly the shapes counted here, and
+tests assert that the tensors it allocates sum to these figures byte for byte.
+
+Conventions (chosen to match what the caches really hold):
+- Float formats store one value per element. fp8's scale (per tensor or per head) is a
+  static calibration constant held with the layer, not in the cache, as in vLLM; so fp8
+  is exactly half of fp16.
+- Group formats (int8/int4/int2) quantise each token's head vector in groups of
+  `group_size` channels, asymmetric min-max, with an fp16 scale and an fp16 zero point per
+  group. Codes are packed per token row: ceil(dim * bits / 8) bytes.
+- KIVI formats (kivi2/kivi4) quantise keys per channel over groups of `group_size` tokens
+  and values per token over groups of `group_size` channels (fp16 scale and zero point per
+  group). The newest tokens stay in full precision: a sequence of T tokens holds
+  max(0, (T - R) // G) * G quantised tokens and the rest (between R and R + G - 1 once
+  T >= R) in the residual, stored in the model's dtype. R must be a multiple of G.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.plan.errors import PlanError
+
+FLOAT = "float"
+GROUP = "group"
+KIVI = "kivi"
+
+SCALE_BYTES = 2  # fp16 scale per quantisation group
+ZERO_BYTES = 2  # fp16 zero point per quantisation group
+DEFAULT_GROUP_SIZE = 64  # transformers' QuantizedCache q_group_size
+DEFAULT_KIVI_GROUP = 32  # KIVI paper
+DEFAULT_KIVI_RESIDUAL = 128  # KIVI paper
+
+_FLOAT_BYTES = {
+    "fp32": 4, "float32": 4, "float": 4,
+    "fp16": 2, "float16": 2, "half": 2,
+    "bf16": 2, "bfloat16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+_CANONICAL = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "fp8": "fp8_e4m3"}
+_GROUP_BITS = {"int8": 8, "int4": 4, "int2": 2}
+_KIVI_BITS = {"kivi2": 2, "kivi4": 4}
+MODEL_DTYPES = ("fp32", "fp16", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi2", "kivi4")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How one side (K or V) of the cache is stored."""
+
+    name: str
+    scheme: str
+    bits: int
+    group_size: int = 0
+    residual: int = 0
+    residual_bytes: int = 2  # bytes per full-precision element (KIVI residual)
+
+    @property
+    def is_quantised(self) -> bool:
+        return self.scheme != FLOAT
+
+    def bytes(self, role: str, heads: int, dim: int, tokens: int) -> int:
+        """Exact bytes to hold `tokens` tokens of `heads` heads of `dim` channels.
+
+        `role` is "k" or "v": it matters only for KIVI, whose keys group along tokens.
+        """
+        if tokens < 0:
+            raise PlanError(f"token count must be non-negative, got {tokens}")
+        if self.scheme == FLOAT:
+            return tokens * heads * dim * self.bits // 8
+        codes_per_row = packed_row_bytes(dim, self.bits)
+        if self.scheme == GROUP:
+            return tokens * heads * (codes_per_row + groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES))
+        quantised = kivi_quantised_tokens(tokens, self.group_size, self.residual)
+        codes = quantised * heads * codes_per_row
+        if role == "k":
+            scales = (quantised // self.group_size) * heads * dim * (SCALE_BYTES + ZERO_BYTES)
+        else:
+            scales = quantised * heads * groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES)
+        residual = (tokens - quantised) * heads * dim * self.residual_bytes
+        return codes + scales + residual
+
+    def bytes_per_token(self, role: str, heads: int, dim: int) -> float:
+        """Marginal bytes per token far from the residual window (exact for float and group)."""
+        if self.scheme != KIVI:
+            return self.bytes(role, heads, dim, 1)
+        codes = heads * packed_row_bytes(dim, self.bits)
+        if role == "k":
+            return codes + heads * dim * (SCALE_BYTES + ZERO_BYTES) / self.group_size
+        return codes + heads * groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES)
+
+
+def packed_row_bytes(dim: int, bits: int) -> int:
+    """Bytes for one row of `dim` codes of `bits` bits, packed little-end-first into uint8."""
+    return (dim * bits + 7) // 8
+
+
+def groups_per_row(dim: int, group_size: int) -> int:
+    return (dim + group_size - 1) // group_size
+
+
+def kivi_quantised_tokens(tokens: int, group_size: int, residual: int) -> int:
+    """How many of a sequence's `tokens` a KIVI cache holds quantised (whole groups only)."""
+    return max(0, (tokens - residual) // group_size) * group_size
+
+
+def resolve_kv_format(
+    name: str,
+    model_dtype: str = "fp16",
+    group_size: int | None = None,
+    residual: int | None = None,
+) -> KVFormat:
+    """Turn a vLLM/llama.cpp-style name into a format; "auto" means the model's dtype."""
+    key = (name or "auto").strip().lower()
+    if key == "auto":
+        key = model_dtype
+    if model_dtype not in _FLOAT_BYTES:
+        raise PlanError(f"unknown model dtype {model_dtype!r}; expected one of {MODEL_DTYPES}")
+    if key in _FLOAT_BYTES:
+        return KVFormat(_CANONICAL.get(key, key), FLOAT, 8 * _FLOAT_BYTES[key])
+    if key in _GROUP_BITS:
+        size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        _check_positive("--kv-group-size", size)
+        return KVFormat(key, GROUP, _GROUP_BITS[key], group_size=size)
+    if key in _KIVI_BITS:
+        size = DEFAULT_KIVI_GROUP if group_size is None else group_size
+        window = DEFAULT_KIVI_RESIDUAL if residual is None else residual
+        _check_positive("--kv-group-size", size)
+        if window < 0 or window % size:
+            raise PlanError(f"KIVI residual {window} must be a non-negative multiple of the group size {size}")
+        return KVFormat(key, KIVI, _KIVI_BITS[key], group_size=size, residual=window,
+                        residual_bytes=_FLOAT_BYTES[model_dtype])
+    raise PlanError(f"unknown KV cache dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{flag} must be a positive integer, got {value!r}")
+

@@ -1,0 +1,174 @@
+"""Model specs: what the planner needs to know about a model, and nothing more.
+
+A model is a list of layers, each with its own attention description, because real
+models mix kinds (Gemma's 5-local-1-global, gpt-oss's alternating windows, DeepSeek's
+MLA). Every loader (presets, config.json, GGUF header) produces a `ModelSpec`, and every
+formula reads only this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from kvlab.plan.errors import PlanError
+
+FULL = "full"
+SLIDING = "sliding"
+MLA = "mla"
+ATTENTION_KINDS = (FULL, SLIDING, MLA)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention, as far as the KV cache is concerned.
+
+    For `mla` layers the cache holds one latent row of `kv_lora_rank + qk_rope_head_dim`
+    elements per token (no separate V); `k_head_dim`/`v_head_dim` then describe the
+    up-projected heads, used only for attention FLOPs.
+    """
+
+    kind: str
+    q_heads: int
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    window: Optional[int] = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise PlanError(f"unknown attention kind {self.kind!r}; expected one of {ATTENTION_KINDS}")
+        for name in ("q_heads", "kv_heads", "k_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.kind == SLIDING and (self.window is None or self.window <= 0):
+            raise PlanError(f"a sliding-window layer needs a positive window, got {self.window!r}")
+        if self.kind == MLA and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0):
+            raise PlanError("an MLA layer needs kv_lora_rank > 0 and qk_rope_head_dim >= 0")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind == MLA
+
+    def cached_tokens(self, context: int) -> int:
+        """Tokens this layer holds for a sequence of `context` tokens."""
+        if self.kind == SLIDING:
+            return min(context, self.window)
+        return context
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole model: layers plus what weights and FLOPs need."""
+
+    name: str
+    layers: tuple[LayerAttention, ...]
+    params_total: Optional[int] = None
+    params_active: Optional[int] = None
+    hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    tied_embeddings: bool = False
+    max_context: Optional[int] = None
+    weight_bytes: Optional[int] = None  # known exactly (a GGUF's real tensor bytes)
+    params_estimated: bool = False
+    source: str = "explicit"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise PlanError("a model needs at least one layer")
+        for name in ("params_total", "params_active", "hidden_size", "vocab_size", "max_context"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise PlanError(f"{name} must be positive, got {value!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def active_params(self) -> Optional[int]:
+        return self.params_active if self.params_active is not None else self.params_total
+
+    @property
+    def q_heads(self) -> int:
+        return self.layers[0].q_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layers[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].k_head_dim
+
+    @property
+    def has_mla(self) -> bool:
+        return any(layer.is_mla for layer in self.layers)
+
+    @property
+    def has_windows(self) -> bool:
+        return any(layer.kind == SLIDING for layer in self.layers)
+
+    def with_kv_heads(self, kv_heads: int) -> "ModelSpec":
+        """The same model with `kv_heads` KV heads on every layer (MHA, GQA or MQA what-if).
+
+        MLA layers become plain full attention with the up-projected head dims.
+        """
+        if kv_heads <= 0:
+            raise PlanError(f"--kv-heads must be positive, got {kv_heads}")
+        layers = []
+        for layer in self.layers:
+            if kv_heads > layer.q_heads:
+                raise PlanError(f"--kv-heads {kv_heads} exceeds the {layer.q_heads} query heads")
+            if layer.q_heads % kv_heads:
+                raise PlanError(f"--kv-heads {kv_heads} must divide the {layer.q_heads} query heads")
+            kind = FULL if layer.is_mla else layer.kind
+            layers.append(replace(layer, kind=kind, kv_heads=kv_heads, kv_lora_rank=0, qk_rope_head_dim=0))
+        return replace(self, layers=tuple(layers), name=f"{self.name} [kv_heads={kv_heads}]")
+
+    def with_mla(self, kv_lora_rank: int, qk_rope_head_dim: int) -> "ModelSpec":
+        """The same model with MLA latent attention on every layer (TransMLA/MHA2MLA what-if)."""
+        if kv_lora_rank <= 0 or qk_rope_head_dim < 0:
+            raise PlanError("--mla-rank must be positive and --mla-rope-dim non-negative")
+        layers = tuple(
+            replace(layer, kind=MLA, window=None, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+            for layer in self.layers
+        )
+        return replace(self, layers=layers, name=f"{self.name} [mla {kv_lora_rank}+{qk_rope_head_dim}]")
+
+
+def uniform_layers(
+    num_layers: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    v_head_dim: Optional[int] = None,
+) -> tuple[LayerAttention, ...]:
+    """`num_layers` identical full-attention layers: the common dense-transformer case."""
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise PlanError(f"layers must be a positive integer, got {num_layers!r}")
+    layer = LayerAttention(FULL, q_heads, kv_heads, head_dim, v_head_dim or head_dim)
+    return (layer,) * num_layers
+
+
+def estimate_dense_params(
+    num_layers: int,
+    hidden: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: Optional[int] = None,
+    vocab: int = 32000,
+    tied: bool = False,
+) -> int:
+    """Parameter count of a Llama-style decoder (SwiGLU MLP, RMSNorm), for shapes given without one."""
+    ffn = intermediate or 256 * ((8 * hidden // 3 + 255) // 256)
+    attention = hidden * q_heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * ffn
+    norms = 2 * hidden
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return num_layers * (attention + mlp + norms) + embeddings + hidden
