@@ -1,0 +1,62 @@
+"""The `kvlab` command: one entry point, one module per sub-command under `kvlab.commands`.
+
+Each sub-command module exposes `add_parser(subparsers)` and `run(args) -> int`, and is
+imported only when chosen, so `kvlab plan` never pays for torch.
+User mistakes raise `PlanError` (or a subclass) and end here as one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from kvlab import __version__
+from kvlab.plan.errors import PlanError
+
+# name -> (module under kvlab.commands, one-line help)
+COMMANDS = {
+    "plan": ("plan_cmd", "KV-cache, weight, seats and latency arithmetic for a model"),
+    "chart": ("chart_cmd", "interactive HTML chart (or PNG) of KV-cache size against context"),
+    "generate": ("generate_cmd", "generate text with a real model (GGUF or HF directory)"),
+    "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
+}
+
+
+def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlab", description="Inference-aware model design: plan, measure, serve.")
+    parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        if selected == name:
+            module = importlib.import_module(f"kvlab.commands.{module_name}")
+            module.add_parser(subparsers, name, help_text)
+        else:
+            subparsers.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(selected if selected in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args) or 0)
+    except PlanError as error:
+        print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as error:
+        print(f"kvlab {args.command}: error: no such file: {error.filename or error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvlab {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

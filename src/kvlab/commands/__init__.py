@@ -1,0 +1,1 @@
+"""One module per `kvlab` sub-command: each has `add_parser(subparsers, name, help)` and sets `run`."""
