@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from kvlab import __version__
 from kvlab.plan.errors import PlanError
@@ -24,8 +24,15 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr (exit 2), not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlab", description="Inference-aware model design: plan, measure, serve.")
+    parser = OneLineParser(prog="kvlab", description="Inference-aware model design: plan, measure, serve.")
     parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():

@@ -1,0 +1,106 @@
+"""The model and plan flags that `kvlab plan` and `kvlab chart` share, and how they become inputs."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from kvlab.commands.args import byte_size, positive_float, positive_int
+from kvlab.plan.errors import PlanError
+from kvlab.plan.hardware import Device, custom_device, device
+from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
+from kvlab.plan.loaders import explicit_model, load_model
+from kvlab.plan.planner import PlanRequest
+from kvlab.plan.spec import ModelSpec
+from kvlab.plan.weights import WEIGHT_DTYPES
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="preset name, config.json (file or directory) or .gguf file")
+    shape = parser.add_argument_group("explicit shape (instead of MODEL) and what-if overrides")
+    shape.add_argument("--layers", type=positive_int, help="number of layers")
+    shape.add_argument("--heads", type=positive_int, help="query heads")
+    shape.add_argument("--kv-heads", type=positive_int,
+                       help="KV heads; with MODEL, turns it into GQA/MQA/MHA (what-if)")
+    shape.add_argument("--head-dim", type=positive_int, help="head dimension")
+    shape.add_argument("--hidden", type=positive_int, help="hidden size (for parameter estimates)")
+    shape.add_argument("--params", type=positive_float, help="parameter count, e.g. 8e9")
+    shape.add_argument("--mla-rank", type=positive_int, help="what-if MLA: latent rank (kv_lora_rank)")
+    shape.add_argument("--mla-rope-dim", type=positive_int, default=None, help="what-if MLA: RoPE key dim (64)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model the flags describe, with any what-if override applied."""
+    if args.model is None and args.layers is not None:
+        if args.heads is None:
+            raise PlanError("an explicit shape needs --layers and --heads (and --kv-heads, --head-dim)")
+        params = int(args.params) if args.params else None
+        spec = explicit_model(args.layers, args.heads, args.kv_heads, args.head_dim, args.hidden, params)
+    else:
+        if args.model is not None and (args.layers or args.heads or args.head_dim):
+            raise PlanError("give either MODEL or --layers/--heads/--head-dim, not both")
+        spec = load_model(args.model)
+        if args.params:
+            spec = replace(spec, params_total=int(args.params), params_active=None, weight_bytes=None)
+        if args.kv_heads is not None:
+            spec = spec.with_kv_heads(args.kv_heads)
+    if args.mla_rank is not None:
+        spec = spec.with_mla(args.mla_rank, 64 if args.mla_rope_dim is None else args.mla_rope_dim)
+    elif args.mla_rope_dim is not None:
+        raise PlanError("--mla-rope-dim needs --mla-rank")
+    return spec
+
+
+def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence (4096)")
+    workload.add_argument("--batch", type=positive_int, default=1, help="concurrent sequences (1)")
+    workload.add_argument("--prompt-len", type=positive_int, help="prompt tokens for prefill time (= --context)")
+    precision = parser.add_argument_group("precision")
+    precision.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                           help="KV cache dtype, vLLM names plus int8/int4/int2 and KIVI (auto = --dtype)")
+    precision.add_argument("--k-dtype", choices=KV_CACHE_DTYPES, help="K cache dtype (llama.cpp style)")
+    precision.add_argument("--v-dtype", choices=KV_CACHE_DTYPES, help="V cache dtype (llama.cpp style)")
+    precision.add_argument("--dtype", default="fp16", choices=MODEL_DTYPES, help="model dtype (fp16)")
+    precision.add_argument("--kv-group-size", type=positive_int,
+                           help="quantisation group size (int*: 64, KIVI: 32)")
+    precision.add_argument("--kivi-residual", type=int, help="KIVI full-precision window R (128)")
+    precision.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                           help="weight precision (auto = the GGUF's real bytes, else bf16)")
+    hardware = parser.add_argument_group("memory and hardware")
+    hardware.add_argument("--kv-cache-memory", type=byte_size, help="cache budget, e.g. 9GiB or 20GB")
+    hardware.add_argument("--gpu", help="card from the catalog (h100-sxm, h200, a100-80gb, l4, l40s, rtx-4090, "
+                                        "jetson-agx-orin-64gb)")
+    hardware.add_argument("--memory-gib", type=positive_float, help="custom card: memory in GiB")
+    hardware.add_argument("--bandwidth-gbs", type=positive_float, help="custom card: bandwidth in GB/s")
+    hardware.add_argument("--tflops", type=positive_float, help="custom card: dense bf16 TFLOP/s")
+    hardware.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
+                          help="share of card memory for weights + cache (0.9)")
+    hardware.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks (1)")
+    hardware.add_argument("--engine", choices=("kvlab", "vllm"), default="kvlab",
+                          help="vllm: round to blocks and print vLLM's start-up lines")
+    hardware.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
+
+
+def device_from_args(args: argparse.Namespace) -> Device | None:
+    custom = (args.memory_gib, args.bandwidth_gbs, args.tflops)
+    if args.gpu and any(value is not None for value in custom):
+        raise PlanError("give --gpu or --memory-gib/--bandwidth-gbs/--tflops, not both")
+    if args.gpu:
+        return device(args.gpu)
+    if any(value is not None for value in custom):
+        if any(value is None for value in custom):
+            raise PlanError("a custom card needs all of --memory-gib, --bandwidth-gbs and --tflops")
+        return custom_device(*custom)
+    return None
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    return PlanRequest(
+        context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype, k_dtype=args.k_dtype,
+        v_dtype=args.v_dtype, model_dtype=args.dtype, kv_group_size=args.kv_group_size,
+        kivi_residual=args.kivi_residual, weight_dtype=args.weight_dtype, kv_cache_memory=args.kv_cache_memory,
+        device=device_from_args(args), gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel=args.tensor_parallel_size, prompt_len=args.prompt_len, engine=args.engine,
+        block_size=args.block_size,
+    )

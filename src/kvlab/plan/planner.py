@@ -1,0 +1,167 @@
+"""Put the formulas together: one request in, one plain dict out (the `--json` object).
+
+The CLI, the chart page and reports all render this dict; none of them computes bytes itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvlab.plan import capacity
+from kvlab.plan.errors import PlanError
+from kvlab.plan.hardware import Device
+from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
+from kvlab.plan.spec import ModelSpec
+from kvlab.plan.vllm_blocks import vllm_capacity
+from kvlab.plan.weights import active_weight_bytes, weight_bytes
+
+
+@dataclass
+class PlanRequest:
+    """Everything a plan depends on besides the model; defaults follow vLLM where it has one."""
+
+    context: int = 4096
+    batch: int = 1
+    kv_cache_dtype: str = "auto"
+    k_dtype: Optional[str] = None
+    v_dtype: Optional[str] = None
+    model_dtype: str = "fp16"
+    kv_group_size: Optional[int] = None
+    kivi_residual: Optional[int] = None
+    weight_dtype: str = "auto"
+    weight_group_size: int = 128
+    kv_cache_memory: Optional[int] = None
+    device: Optional[Device] = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel: int = 1
+    prompt_len: Optional[int] = None
+    engine: str = "kvlab"
+    block_size: int = 16
+    warnings: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        for name in ("context", "batch", "tensor_parallel", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.prompt_len is not None and self.prompt_len <= 0:
+            raise PlanError(f"--prompt-len must be positive, got {self.prompt_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise PlanError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if self.engine not in ("kvlab", "vllm"):
+            raise PlanError(f"--engine must be kvlab or vllm, got {self.engine!r}")
+
+    def formats(self) -> capacity.CacheFormats:
+        return capacity.cache_formats(self.kv_cache_dtype, self.k_dtype, self.v_dtype, self.model_dtype,
+                                      self.kv_group_size, self.kivi_residual)
+
+
+def describe_model(spec: ModelSpec) -> dict[str, Any]:
+    kinds = sorted({layer.kind for layer in spec.layers})
+    first = spec.layers[0]
+    described = {
+        "name": spec.name, "source": spec.source, "layers": spec.num_layers, "attention_kinds": kinds,
+        "q_heads": first.q_heads, "kv_heads": first.kv_heads, "head_dim": first.k_head_dim,
+        "v_head_dim": first.v_head_dim, "params_total": spec.params_total, "params_active": spec.active_params,
+        "params_estimated": spec.params_estimated, "max_context": spec.max_context,
+        "tied_embeddings": spec.tied_embeddings,
+    }
+    windows = sorted({layer.window for layer in spec.layers if layer.window})
+    if windows:
+        described["windows"] = windows
+        described["windowed_layers"] = sum(1 for layer in spec.layers if layer.window)
+    if spec.has_mla:
+        described["kv_lora_rank"] = first.kv_lora_rank
+        described["qk_rope_head_dim"] = first.qk_rope_head_dim
+    return described
+
+
+def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
+    """Every figure for `spec` under `request`, per tensor-parallel rank where it matters."""
+    request.validate()
+    formats = request.formats()
+    tp = request.tensor_parallel
+    if spec.max_context is not None and request.context > spec.max_context:
+        request.warnings.append(f"context {request.context} exceeds {spec.name}'s stated limit of "
+                                f"{spec.max_context} tokens; computing it anyway")
+    per_token = capacity.kv_bytes_per_token(spec, formats, tp)
+    per_sequence = capacity.kv_bytes_per_sequence(spec, request.context, formats, tp)
+    weights = weight_bytes(spec, request.weight_dtype, request.weight_group_size)
+    weights_per_rank = None if weights is None else -(-weights // tp)
+    result: dict[str, Any] = {
+        "model": describe_model(spec),
+        "inputs": {
+            "context": request.context, "batch": request.batch, "kv_cache_dtype": formats.label,
+            "k_dtype": formats.k.name, "v_dtype": formats.v.name, "model_dtype": request.model_dtype,
+            "weight_dtype": request.weight_dtype, "tensor_parallel_size": tp, "engine": request.engine,
+        },
+        "kv_bytes_per_token": per_token,
+        "kv_bytes_per_sequence": per_sequence,
+        "kv_bytes_batch": per_sequence * request.batch,
+        "weight_bytes": weights,
+        "weight_bytes_per_rank": weights_per_rank,
+        "kv_heads_per_rank": None if spec.has_mla else capacity.kv_heads_per_rank(spec.kv_heads, tp),
+        "warnings": request.warnings,
+    }
+    if formats.k.group_size or formats.v.group_size:
+        result["inputs"]["kv_group_size"] = formats.k.group_size or formats.v.group_size
+    if formats.k.residual or formats.v.residual:
+        result["inputs"]["kivi_residual"] = formats.k.residual or formats.v.residual
+
+    budget = _cache_budget(request, weights_per_rank, result)
+    if budget is None:
+        return result
+    result["cache_budget_bytes"] = budget
+    usable = max(budget, 0)
+    result["kv_cache_tokens"] = capacity.kv_cache_tokens(spec, usable, formats, tp)
+    result["concurrency"] = usable / per_sequence if per_sequence else None
+    result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
+    result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
+    if request.engine == "vllm":
+        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp)
+    if request.device is not None:
+        _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
+    return result
+
+
+def _cache_budget(request: PlanRequest, weights_per_rank: Optional[int], result: dict[str, Any]) -> Optional[int]:
+    if request.kv_cache_memory is not None:
+        result["inputs"]["kv_cache_memory"] = request.kv_cache_memory
+        return request.kv_cache_memory
+    card = request.device
+    if card is None:
+        return None
+    if weights_per_rank is None:
+        raise PlanError("this model has no parameter count, so its weights are unknown: give --params")
+    result["hardware"] = {
+        "name": card.name, "memory_bytes": card.memory_bytes, "bandwidth_gbs": card.bandwidth_gbs,
+        "bf16_tflops": card.bf16_tflops, "fp8_tflops": card.fp8_tflops, "source": card.source,
+        "gpu_memory_utilization": request.gpu_memory_utilization,
+    }
+    budget = int(card.memory_bytes * request.gpu_memory_utilization) - weights_per_rank
+    if budget <= 0:
+        request.warnings.append(f"the weights ({weights_per_rank:,} B per rank) do not fit in "
+                                f"{request.gpu_memory_utilization:.0%} of {card.name}'s memory")
+    return budget
+
+
+def _add_speed(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, weights_per_rank: int,
+               per_sequence: int, result: dict[str, Any]) -> None:
+    card = request.device
+    tp = request.tensor_parallel
+    tflops = card.bf16_tflops
+    if request.weight_dtype == "fp8" and card.fp8_tflops:
+        tflops = card.fp8_tflops
+    read = active_weight_bytes(spec, weights_per_rank)
+    step = decode_step(spec, read, per_sequence, request.batch, request.context, card.bandwidth_gbs, tflops, tp)
+    prompt = request.prompt_len or request.context
+    result["decode_ms_per_token"] = step.seconds * 1e3
+    result["decode_tokens_per_s"] = request.batch / step.seconds
+    result["decode_bound"] = step.bound
+    result["prefill_tokens"] = prompt
+    result["prefill_ms"] = prefill_seconds(spec, prompt, tflops, tp) * 1e3
+    result["tflops_used"] = tflops
+    result["binding_limit"] = MEMORY if result["seats"] < request.batch else step.bound

@@ -1,0 +1,1 @@
+"""Rendering: terminal tables, the chart page, figures and markdown reports. Computes nothing itself."""

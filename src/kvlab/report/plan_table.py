@@ -1,0 +1,88 @@
+"""Terminal tables for a plan dict and a comparison: every size with its unit, binary and decimal apart."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from kvlab.plan.units import binary, decimal
+
+
+def _size(num_bytes: Optional[float]) -> str:
+    if num_bytes is None:
+        return "unknown"
+    return f"{num_bytes:,.0f} B  ({binary(num_bytes)} = {decimal(num_bytes)})"
+
+
+def _count(value: Any) -> str:
+    if value is None:
+        return "unbounded"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
+
+
+def render_plan(result: dict[str, Any], console: Console) -> None:
+    model, inputs = result["model"], result["inputs"]
+    title = (f"{model['name']}: {model['layers']} layers, {model['q_heads']} q heads, {model['kv_heads']} KV heads, "
+             f"head dim {model['head_dim']} ({', '.join(model['attention_kinds'])})")
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("KV cache dtype", str(inputs["kv_cache_dtype"]))
+    if model.get("windows"):
+        table.add_row("sliding windows", f"{model['windowed_layers']} layers, window {model['windows']}")
+    if "kv_lora_rank" in model:
+        table.add_row("MLA latent", f"{model['kv_lora_rank']} + RoPE {model['qk_rope_head_dim']} per token per layer")
+    if inputs["tensor_parallel_size"] > 1:
+        table.add_row("tensor parallel", f"{inputs['tensor_parallel_size']} ranks, figures per rank")
+    table.add_row("KV bytes per token", _size(result["kv_bytes_per_token"]))
+    table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
+    table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))
+    params = model.get("params_total")
+    label = "" if params is None else f" ({params / 1e9:.3f}B params{', estimated' if model['params_estimated'] else ''})"
+    table.add_row(f"weights{label}", _size(result["weight_bytes"]))
+    if "cache_budget_bytes" in result:
+        table.add_row("cache budget", _size(result["cache_budget_bytes"]))
+        table.add_row("tokens that fit (kv_cache_tokens)", _count(result["kv_cache_tokens"]))
+        table.add_row(f"seats @ {inputs['context']:,} tokens", _count(result["seats"]))
+        table.add_row(f"longest context @ batch {inputs['batch']}", _count(result["max_context"]))
+    if "decode_ms_per_token" in result:
+        table.add_row(f"decode floor @ batch {inputs['batch']}",
+                      f"{result['decode_ms_per_token']:.2f} ms/token, {result['decode_tokens_per_s']:,.0f} tokens/s "
+                      f"({result['decode_bound']} bound)")
+        table.add_row(f"prefill {result['prefill_tokens']:,} tokens", f"{result['prefill_ms']:,.1f} ms")
+        table.add_row("binding limit", result["binding_limit"])
+    console.print(table)
+    if "hardware" in result:
+        hw = result["hardware"]
+        console.print(f"card: {hw['name']}, {decimal(hw['memory_bytes'])} at {hw['gpu_memory_utilization']:.0%}, "
+                      f"{hw['bandwidth_gbs']:,} GB/s, {hw['bf16_tflops']} bf16 TFLOP/s; source: {hw['source']}")
+    if "vllm" in result:
+        for line in result["vllm"]["log_lines"]:
+            console.print(f"vLLM would log: {line}")
+
+
+def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) -> None:
+    table = Table(title=title, header_style="bold")
+    for column in ("variant", "KV dtype", "KV heads", "bytes/token", "per sequence", "vs first"):
+        table.add_column(column, justify="right")
+    has_seats = "seats" in rows[0]
+    has_speed = "decode_tokens_per_s" in rows[0]
+    if has_seats:
+        table.add_column("seats", justify="right")
+        table.add_column("longest ctx", justify="right")
+    if has_speed:
+        table.add_column("decode tok/s", justify="right")
+    for row in rows:
+        heads = "latent" if row["attention_kinds"] == ["mla"] else str(row["kv_heads"])
+        per_token = row["kv_bytes_per_token"]
+        cells = [row["variant"], row["kv_cache_dtype"], heads,
+                 f"{per_token:,}" if isinstance(per_token, int) else f"{per_token:,.1f}",
+                 binary(row["kv_bytes_per_sequence"]), f"{row['cache_ratio']:.3f}x"]
+        if has_seats:
+            cells += [_count(row["seats"]), _count(row["max_context"])]
+        if has_speed:
+            cells.append(f"{row['decode_tokens_per_s']:,.0f}")
+        table.add_row(*cells)
+    console.print(table)
