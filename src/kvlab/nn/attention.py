@@ -1,0 +1,74 @@
+"""Grouped-query attention: one module for MHA (n_kv == n_q), GQA and MQA (n_kv == 1).
+
+Query head h reads KV head h // (n_q / n_kv). The fast path hands the un-repeated K/V to
+PyTorch's scaled_dot_product_attention with `enable_gqa=True`, so no repeated copy of the
+cache is built; `tests/nn/test_attention.py` checks it against an explicit repeat_interleave.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.rope import RoPE
+
+
+def causal_mask(new_tokens: int, total_tokens: int, device: torch.device) -> torch.Tensor:
+    """Boolean [new, total] mask: the new tokens sit at the end, each sees itself and the past."""
+    past = total_tokens - new_tokens
+    rows = torch.arange(new_tokens, device=device)[:, None] + past
+    return torch.arange(total_tokens, device=device)[None, :] <= rows
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention of q [B,Hq,Tq,D] over k/v [B,Hkv,Tk,D] whose last Tq positions are q's.
+
+    One new token sees everything (no mask); a prompt on an empty cache is plain causal; a
+    chunk after cached tokens needs the offset mask SDPA's `is_causal` (top-left) cannot express.
+    """
+    new, total = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if new == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if new == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = causal_mask(new, total, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with `n_kv_heads` shared K/V heads and RoPE.
+
+    Q, K and V come from one fused projection (rows: Hq*D queries, then Hkv*D keys, then
+    Hkv*D values): at batch 1 one matmul beats three.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.bias)
+        self.o = nn.Linear(self.q_size, config.dim, bias=config.bias)
+
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
+        """x [B,T,dim] at positions start..start+T-1; `cache` (a kvlab.cache.KVCache) grows by T."""
+        batch, new, _ = x.shape
+        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(batch, new, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, new, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, new, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = rope(q, start)
+        if cache is None:
+            k = rope(k, start)
+        else:
+            # A pre-RoPE cache (KVQuant-style) stores raw keys and rotates what it returns.
+            if not cache.pre_rope:
+                k = rope(k, start)
+            k, v = cache.update(layer, k, v)
+        y = attend(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))

@@ -1,0 +1,125 @@
+"""One dataclass describes every decoder kvlab builds, from a character GPT to SmolLM2.
+
+The config is the contract between checkpoints (which fill it in from a file), the model
+(which builds modules from it) and the planner (`to_plan_spec`), so measured cache bytes
+can be compared with planned bytes for exactly the model that ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Optional
+
+from kvlab.plan.errors import PlanError
+from kvlab.plan.spec import FULL, MLA, LayerAttention, ModelSpec
+
+MLP_KINDS = ("swiglu", "gelu")
+NORM_KINDS = ("rmsnorm", "layernorm")
+ATTENTION_KINDS = ("gqa", "mla")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and choices of a decoder-only transformer.
+
+    `attention="gqa"` covers MHA (n_kv_heads == n_heads), GQA and MQA (n_kv_heads == 1).
+    `attention="mla"` is DeepSeek-V2 multi-head latent attention: each query head has
+    `qk_nope_head_dim + qk_rope_head_dim` channels, the cache holds `kv_lora_rank` latent
+    channels plus one shared `qk_rope_head_dim` RoPE key per token.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None  # None: MHA
+    head_dim: Optional[int] = None  # None: dim // n_heads
+    ffn_dim: Optional[int] = None  # None: 4 * dim (gelu) or Llama's 8/3 rounding (swiglu)
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    bias: bool = False
+    rope_base: float = 10000.0
+    rope_style: str = "half"
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    attention: str = "gqa"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for field_name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, field_name) <= 0:
+                raise PlanError(f"{field_name} must be positive, got {getattr(self, field_name)}")
+        if self.mlp not in MLP_KINDS or self.norm not in NORM_KINDS or self.attention not in ATTENTION_KINDS:
+            raise PlanError(f"unknown mlp/norm/attention {self.mlp!r}/{self.norm!r}/{self.attention!r}")
+        if self.n_heads % self.kv_heads:
+            raise PlanError(f"{self.kv_heads} KV heads must divide the {self.n_heads} query heads")
+        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_rope_head_dim,
+                                           self.qk_nope_head_dim, self.v_head_dim) <= 0:
+            raise PlanError("MLA needs positive kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and v_head_dim")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        if self.mlp == "gelu":
+            return 4 * self.dim
+        return 256 * ((8 * self.dim // 3 + 255) // 256)
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates: the whole head, or MLA's decoupled RoPE part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_size
+
+    def with_kv_heads(self, kv_heads: int) -> "ModelConfig":
+        return replace(self, n_kv_heads=kv_heads)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def param_count(self) -> int:
+        """Parameters of the model `Decoder(config)` builds (tied embeddings counted once)."""
+        d, bias = self.dim, int(self.bias)
+        if self.attention == "mla":
+            h, qk = self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            attn = (d * h * qk + d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                    + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d)
+        else:
+            qkv = (self.n_heads + 2 * self.kv_heads) * self.head_size
+            attn = d * qkv + bias * qkv + self.n_heads * self.head_size * d + bias * d
+        f = self.ffn_size
+        mlp = (3 * d * f) if self.mlp == "swiglu" else (2 * d * f + bias * (f + d))
+        norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * norm) + norm + embeddings
+
+    def to_plan_spec(self) -> ModelSpec:
+        """The planner's view of this model, so plan and measurement share one description."""
+        if self.attention == "mla":
+            layer = LayerAttention(MLA, self.n_heads, self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                   self.v_head_dim, kv_lora_rank=self.kv_lora_rank,
+                                   qk_rope_head_dim=self.qk_rope_head_dim)
+        else:
+            layer = LayerAttention(FULL, self.n_heads, self.kv_heads, self.head_size, self.head_size)
+        return ModelSpec(
+            name=self.name,
+            layers=(layer,) * self.n_layers,
+            params_total=self.param_count(),
+            hidden_size=self.dim,
+            vocab_size=self.vocab_size,
+            tied_embeddings=self.tie_embeddings,
+            max_context=self.max_seq_len,
+            source="kvlab.nn.ModelConfig",
+        )

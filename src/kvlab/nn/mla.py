@@ -1,0 +1,81 @@
+"""Multi-head latent attention (DeepSeek-V2) with decoupled RoPE.
+
+Each token is compressed to a latent c = norm(x W_dkv) of `kv_lora_rank` channels plus one
+RoPE key k_rope shared by all heads; only (c, k_rope) are cached. Per head h the keys and
+values are up-projections of the latent, k_h = [c W_uk_h^T, k_rope], v_h = c W_uv_h^T.
+
+Two ways to decode, equal in exact arithmetic:
+- naive: up-project the whole cached latent into per-head K and V, then attend;
+- absorbed: fold W_uk into the query (q_h W_uk_h lives in latent space) and W_uv into the
+  output, so attention runs directly over the cached latent: it is MQA with one shared
+  "head" [c, k_rope] of width rank + rope_dim whose values are c itself.
+The scores keep the scale 1/sqrt(nope + rope) of the un-absorbed heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvlab.nn.attention import attend
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.norms import RMSNorm
+from kvlab.nn.rope import RoPE
+
+
+class MLA(nn.Module):
+    def __init__(self, config: ModelConfig, absorb: bool = False):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.rank, self.v_dim = config.kv_lora_rank, config.v_head_dim
+        self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
+        self.absorb = absorb
+        self.wq = nn.Linear(config.dim, self.n_heads * (self.nope + self.rope_dim), bias=False)
+        self.wkv_a = nn.Linear(config.dim, self.rank + self.rope_dim, bias=False)  # W_dkv and the RoPE key
+        self.kv_norm = RMSNorm(self.rank, config.norm_eps)
+        self.wkv_b = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)  # W_uk, W_uv
+        self.o = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk [H, nope, rank] and W_uv [H, v_dim, rank], views of `wkv_b`."""
+        w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
+        """x [B,T,dim]; `cache` (a kvlab.cache.LatentCache) grows by T latent rows."""
+        batch, new, _ = x.shape
+        q = self.wq(x).view(batch, new, self.n_heads, self.nope + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
+        q_rope = rope(q_rope, start)
+        latent, k_rope = self.wkv_a(x).split((self.rank, self.rope_dim), dim=-1)
+        latent = self.kv_norm(latent)
+        k_rope = rope(k_rope, start)  # [B,T,rope]: RoPE only needs positions on the second-last axis
+        if cache is not None:
+            latent, k_rope = cache.update(layer, latent, k_rope)
+        if self.absorb:
+            y = self.absorbed(q_nope, q_rope, latent, k_rope)
+        else:
+            y = self.naive(q_nope, q_rope, latent, k_rope)
+        return self.o(y.transpose(1, 2).reshape(batch, new, self.n_heads * self.v_dim))
+
+    def naive(self, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
+        """Up-project the latent into per-head keys and values, then ordinary attention."""
+        w_uk, w_uv = self.up_weights()
+        k_nope = torch.einsum("btr,hdr->bhtd", latent, w_uk)
+        v = torch.einsum("btr,hdr->bhtd", latent, w_uv)
+        k_rope = k_rope[:, None].expand(-1, self.n_heads, -1, -1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        return attend(q, k, v, scale=self.scale)
+
+    def absorbed(self, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
+        """Attend in latent space: W_uk folded into the query, W_uv applied after."""
+        w_uk, w_uv = self.up_weights()
+        q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
+        q = torch.cat((q_latent, q_rope), dim=-1)
+        k = torch.cat((latent, k_rope), dim=-1)[:, None]  # one shared head
+        out_latent = attend(q, k, latent[:, None], scale=self.scale)
+        return torch.einsum("bhtr,hdr->bhtd", out_latent, w_uv)

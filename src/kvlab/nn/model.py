@@ -1,0 +1,88 @@
+"""A config-driven decoder: character GPTs, the Llama family, and MLA variants of either.
+
+Data flows embed -> blocks (pre-norm attention, pre-norm MLP, residuals) -> norm -> LM head,
+the same shape as nanoGPT's GPT. Positions come from the cache: a forward pass over T new
+tokens on a cache already holding S tokens places them at S..S+T-1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvlab.nn.attention import Attention
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.mla import MLA
+from kvlab.nn.mlp import make_mlp
+from kvlab.nn.norms import make_norm
+from kvlab.nn.rope import RoPE
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
+        self.attn = MLA(config) if config.attention == "mla" else Attention(config)
+        self.mlp_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
+        self.mlp = make_mlp(config.mlp, config.dim, config.ffn_size, config.bias)
+
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int, cache, layer: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, start, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init: residual projections shrink with depth so the stream's variance stays put.
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.o.weight", "mlp.down.weight", "mlp.proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
+        """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs)."""
+        start = cache.seq_len(0) if cache is not None else 0
+        x = self.embed(tokens)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, self.rope, start, cache, layer)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
+                  group_size: Optional[int] = None, residual: Optional[int] = None,
+                  paged: bool = False, block_size: int = 16, pre_rope: bool = False):
+        """A kvlab.cache cache sized for this model, in the model's dtype unless told otherwise."""
+        from kvlab import cache as kv
+
+        config = self.config
+        if config.attention == "mla":
+            return kv.make_latent_cache(kv_cache_dtype, config.n_layers, batch, config.kv_lora_rank,
+                                        config.qk_rope_head_dim, max_tokens, compute_dtype=self.dtype)
+        return kv.make_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
+                             config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
+                             residual=residual, paged=paged, block_size=block_size, pre_rope=pre_rope,
+                             rope=self.rope.at)
