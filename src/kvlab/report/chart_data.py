@@ -1,0 +1,47 @@
+"""The numbers behind the chart page, computed by `kvlab.plan` once, in Python.
+
+For every KV-head count and precision the page offers, each layer's exact bytes per token and
+its window are exported; the page then only evaluates sum(bytes_l * min(T, window_l)) x batch,
+so its figures are the planner's figures, not a second formula.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from kvlab.plan.capacity import cache_formats, layer_kv_bytes
+from kvlab.plan.spec import ModelSpec
+
+PRECISIONS = {16: "fp16", 8: "fp8", 4: "int4", 2: "int2"}
+
+
+def layer_terms(spec: ModelSpec, kv_cache_dtype: str) -> list[list[Optional[int]]]:
+    """[[bytes per token, window or None], ...] for each layer: the planner's exact coefficients."""
+    formats = cache_formats(kv_cache_dtype)
+    return [[layer_kv_bytes(layer, 1, formats), layer.window] for layer in spec.layers]
+
+
+def chart_data(spec: ModelSpec, context: int, batch: int, budget_bytes: int, kv_heads: Optional[int] = None,
+               bits: int = 16) -> dict[str, Any]:
+    """Everything the page needs for `spec`, with the controls' starting values."""
+    choices = [n for n in range(1, spec.q_heads + 1) if spec.q_heads % n == 0]
+    dense = spec.with_kv_heads(spec.kv_heads) if spec.has_mla else spec
+    start_heads = kv_heads or (spec.q_heads if spec.has_mla else spec.kv_heads)
+    variants = {
+        str(heads): {str(b): layer_terms(dense.with_kv_heads(heads), dtype) for b, dtype in PRECISIONS.items()}
+        for heads in choices
+    }
+    data: dict[str, Any] = {
+        "model": spec.name,
+        "layers": spec.num_layers,
+        "q_heads": spec.q_heads,
+        "model_kv_heads": spec.kv_heads,
+        "max_context": spec.max_context,
+        "kv_head_choices": choices,
+        "variants": variants,
+        "start": {"kv_heads": start_heads, "bits": bits, "context": context, "batch": batch,
+                  "budget_bytes": budget_bytes, "budget_gib": budget_bytes / 2**30},
+    }
+    if spec.has_mla:
+        data["mla"] = {str(b): layer_terms(spec, dtype) for b, dtype in PRECISIONS.items()}
+    return data
