@@ -1,0 +1,56 @@
+"""Helpers for the cache tests: a reference RoPE, the plan's byte figures, error bounds, attention.
+
+A uniquely named module (not conftest) so `from cache_helpers import ...` cannot pick up
+another directory's conftest.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+from kvlab.plan.spec import ModelSpec, uniform_layers
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotate-half RoPE (Llama layout): channel i pairs with i + D/2, pair j turns at base^(-j/(D/2))."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None].double() * base ** (-torch.arange(half, dtype=torch.float64) / half)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def plan_nbytes(kv_cache_dtype: str, tokens: int, batch: int, layers: int, kv_heads: int, k_dim: int, v_dim: int,
+                model_dtype: str = "fp32", group_size: Optional[int] = None, residual: Optional[int] = None) -> int:
+    """The planner's bytes for `batch` sequences of `tokens` tokens: what a cache must hold."""
+    spec = ModelSpec("cache-test", uniform_layers(layers, kv_heads, kv_heads, k_dim, v_dim))
+    formats = cache_formats(kv_cache_dtype, model_dtype=model_dtype, group_size=group_size, residual=residual)
+    return batch * kv_bytes_per_sequence(spec, tokens, formats)
+
+
+def half_step_bound(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Per-element error allowed for min-max quantisation of x's last axis in groups.
+
+    Half a step, (max - min) / (2^bits - 1) / 2, plus fp16 rounding of the stored scale and
+    zero point (relative 2^-11, doubled for slack), computed from the data, not the cache.
+    """
+    dim = x.shape[-1]
+    groups = math.ceil(dim / group_size)
+    pad = groups * group_size - dim
+    lo = F.pad(x, (0, pad), value=math.inf).unflatten(-1, (groups, group_size)).amin(-1)
+    hi = F.pad(x, (0, pad), value=-math.inf).unflatten(-1, (groups, group_size)).amax(-1)
+    spread = hi - lo
+    bound = spread / ((1 << bits) - 1) / 2 + 2.0 ** -10 * (lo.abs() + spread) + 1e-6
+    return bound.repeat_interleave(group_size, dim=-1)[..., :dim]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention for queries at positions start.. over keys 0..: the decode-time mask."""
+    n, total = q.shape[2], k.shape[2]
+    mask = torch.arange(total)[None, :] <= (start + torch.arange(n))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

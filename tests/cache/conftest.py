@@ -1,0 +1,9 @@
+"""Every cache test starts from the same random state."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
