@@ -104,3 +104,32 @@ def test_importing_the_planner_imports_neither_torch_nor_numpy():
             "print(','.join(bad))")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("content", ['{"model_type": "llama", "num_hidden_layers": 2', "not json at all", "[]",
+                                     '{"model_type": "llama"}', '{"model_type": "llama", "num_hidden_layers": 0, '
+                                     '"hidden_size": 64, "num_attention_heads": 4}'])
+def test_malformed_config_json_is_one_line_exit_2(tmp_path, content):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    completed = subprocess.run([sys.executable, "-m", "kvlab", "plan", str(path)], capture_output=True, text=True)
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+def test_truncated_gguf_is_one_line_exit_2(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 20)
+    completed = subprocess.run([sys.executable, "-m", "kvlab", "plan", str(path)], capture_output=True, text=True)
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
+
+
+def test_config_json_directory_plans_like_the_preset(tmp_path, capsys):
+    config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+              "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_config = run_json(capsys, str(tmp_path), "--gpu", "h100-sxm")
+    from_preset = run_json(capsys, "llama-3-8b", "--gpu", "h100-sxm")
+    for key in ("kv_bytes_per_token", "weight_bytes", "seats", "max_context"):
+        assert from_config[key] == from_preset[key]

@@ -67,7 +67,7 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
         "q_heads": first.q_heads, "kv_heads": first.kv_heads, "head_dim": first.k_head_dim,
         "v_head_dim": first.v_head_dim, "params_total": spec.params_total, "params_active": spec.active_params,
         "params_estimated": spec.params_estimated, "max_context": spec.max_context,
-        "tied_embeddings": spec.tied_embeddings,
+        "tied_embeddings": spec.tied_embeddings, "notes": list(spec.notes),
     }
     windows = sorted({layer.window for layer in spec.layers if layer.window})
     if windows:

@@ -58,6 +58,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         hw = result["hardware"]
         console.print(f"card: {hw['name']}, {decimal(hw['memory_bytes'])} at {hw['gpu_memory_utilization']:.0%}, "
                       f"{hw['bandwidth_gbs']:,} GB/s, {hw['bf16_tflops']} bf16 TFLOP/s; source: {hw['source']}")
+    for note in model["notes"]:
+        console.print(f"[dim]note: {note}[/dim]")
     if "vllm" in result:
         for line in result["vllm"]["log_lines"]:
             console.print(f"vLLM would log: {line}")
