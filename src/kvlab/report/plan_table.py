@@ -22,6 +22,13 @@ def _count(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.2f}"
 
 
+def _params(count: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.3f}{suffix}" if suffix == "B" else f"{count / scale:.1f}{suffix}"
+    return str(count)
+
+
 def render_plan(result: dict[str, Any], console: Console) -> None:
     model, inputs = result["model"], result["inputs"]
     title = (f"{model['name']}: {model['layers']} layers, {model['q_heads']} q heads, {model['kv_heads']} KV heads, "
@@ -40,7 +47,7 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
     table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))
     params = model.get("params_total")
-    label = "" if params is None else f" ({params / 1e9:.3f}B params{', estimated' if model['params_estimated'] else ''})"
+    label = "" if params is None else f" ({_params(params)} params{', estimated' if model['params_estimated'] else ''})"
     table.add_row(f"weights{label}", _size(result["weight_bytes"]))
     if "cache_budget_bytes" in result:
         table.add_row("cache budget", _size(result["cache_budget_bytes"]))
