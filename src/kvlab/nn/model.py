@@ -19,6 +19,7 @@ from kvlab.nn.mla import MLA
 from kvlab.nn.mlp import make_mlp
 from kvlab.nn.norms import make_norm
 from kvlab.nn.rope import RoPE
+from kvlab.plan.errors import PlanError
 
 
 class Block(nn.Module):
@@ -57,6 +58,19 @@ class Decoder(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state: dict[str, torch.Tensor]) -> "Decoder":
+        """A decoder that adopts `state`'s tensors, skipping random init (built on the meta device)."""
+        with torch.device("meta"):
+            model = cls(config)
+        result = model.load_state_dict(state, assign=True, strict=False)
+        if result.unexpected_keys or set(result.missing_keys) - ({"lm_head.weight"} if config.tie_embeddings else set()):
+            raise PlanError(f"checkpoint tensors do not match the {config.name} config: {result}")
+        if config.tie_embeddings:
+            model.lm_head.weight = model.embed.weight
+        model.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)  # buffers off meta
+        return model
 
     @property
     def dtype(self) -> torch.dtype:

