@@ -8,24 +8,22 @@ from kvlab.plan.errors import PlanError
 from kvlab.plan.units import parse_bytes
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int, kind: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "positive")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
+    return _int_at_least(text, 0, "non-negative")
 
 
 def positive_float(text: str) -> float:

@@ -26,21 +26,20 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _human(num_bytes: float, base: int, units: tuple[str, ...]) -> str:
+    value = float(num_bytes)
+    for unit in units:
+        if abs(value) < base or unit == units[-1]:
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")
+
+
 def binary(num_bytes: float) -> str:
     """Human size in binary units (KiB, MiB, GiB): what memory budgets are counted in."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return _human(num_bytes, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
 
 
 def decimal(num_bytes: float) -> str:
     """Human size in decimal units (kB, MB, GB): what datasheets quote."""
-    value = float(num_bytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(value) < 1000 or unit == "TB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
+    return _human(num_bytes, 1000, ("B", "kB", "MB", "GB", "TB"))
