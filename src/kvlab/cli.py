@@ -21,6 +21,7 @@ COMMANDS = {
     "chart": ("chart_cmd", "interactive HTML chart (or PNG) of KV-cache size against context"),
     "generate": ("generate_cmd", "generate text with a real model (GGUF or HF directory)"),
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
+    "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
 }
 
 

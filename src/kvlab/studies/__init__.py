@@ -1,0 +1,1 @@
+"""Studies: end-to-end experiments that train, measure and write a committed report."""
