@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _flags(args: argparse.Namespace) -> list[str]:
     flags = ["--quick"] if args.quick else ([] if args.preset == "default" else ["--preset", args.preset])
+    if args.data:
+        flags += ["--data", args.data]
+    if args.out:
+        flags += ["--out", args.out]
     if args.seeds != ["0", "1"]:
         flags += ["--seeds", ",".join(args.seeds)]
     if args.steps:

@@ -48,6 +48,8 @@ def render(results: dict, figures: dict, discussion: str | None = None) -> str:
     lines += [
         "Regenerate (resumes from its checkpoints if interrupted):", "", "```bash", SETUP,
         results["command"], "```", "",
+        "Without `--data` the command reads `~/.cache/kvlab/tinyshakespeare.txt`, or downloads Tiny Shakespeare "
+        "from char-rnn's GitHub and checks its sha256, so online it trains on the same bytes.", "",
         f"Wall time: **{minutes(prov['wall_seconds_all_invocations'])}** on {prov['machine']['cpu']} "
         f"({prov['machine']['cpu_count']} cores, torch {prov['versions']['torch']}, "
         f"{prov['machine']['torch_threads']} threads); load average at start {prov['load_average_start']}, "

@@ -59,8 +59,8 @@ class Preset:
 
 PRESETS = {
     # Sized so the whole study (8 runs, uptraining, decode timings) takes about an hour on 2 CPU cores.
-    "default": Preset("default", n_layers=4, n_heads=8, dim=128, block_size=128, batch_size=32, steps=600,
-                      warmup=60, eval_every=50),
+    "default": Preset("default", n_layers=4, n_heads=8, dim=128, block_size=128, batch_size=32, steps=700,
+                      warmup=70, eval_every=50),
     # The size (6 layers, 8 heads, 256 wide, 256 context): hours per model on 2 cores.
     "seed": Preset("seed", n_layers=6, n_heads=8, dim=256, block_size=256, batch_size=64, steps=5000,
                    warmup=200, eval_every=250, eval_batches=20, decode_repeats=5, threads=None),
