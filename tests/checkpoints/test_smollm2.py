@@ -61,3 +61,29 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(smollm2, smollm2_path):
     theirs = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     for text in ["Hello world, how are you?  fine.\n\tTabs", "naïve café – “quotes”", "<|im_start|>user\nHi"]:
         assert smollm2.tokenizer.encode(text) == theirs(text)["input_ids"]
+
+
+def test_q4_1_codes_read_exactly(smollm2_path):
+    """kvlab's own Q4_1 block reader gives the same weights as gguf.quants.dequantize."""
+    import numpy as np
+    from gguf import quants
+
+    from kvlab.checkpoints.gguf import q4_codes, read_gguf
+
+    tensor = read_gguf(smollm2_path).tensors["blk.3.attn_k.weight"]
+    codes, scale, offset = q4_codes(tensor)
+    ours = codes * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    assert torch.equal(ours, torch.from_numpy(quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)))
+
+
+@pytest.mark.slow
+def test_int4_model_agrees_with_dense_model(smollm2_path, smollm2):
+    """4-bit layers in bf16 track the dense fp32 model: same greedy start, close logits."""
+    from kvlab.checkpoints.gguf import load_gguf
+
+    model, tokenizer, _ = load_gguf(smollm2_path, torch.float32, int4=True)
+    ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        dense, packed = smollm2.model(torch.tensor([ids])), model(torch.tensor([ids]))
+    assert (dense - packed).abs().max().item() < 1.5  # bf16 scales and activations into the matmuls
+    assert generate(model, ids, 8)[0].tolist() == generate(smollm2.model, ids, 8)[0].tolist()

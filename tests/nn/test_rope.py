@@ -2,7 +2,7 @@
 
 import torch
 
-from kvlab.nn.rope import HALF, INTERLEAVED, RoPE, apply_rope, rope_angles
+from kvlab.nn.rope import HALF, INTERLEAVED, RoPE, apply_rope, rope_angles, rope_tables
 
 
 def to_half_layout(x: torch.Tensor) -> torch.Tensor:
@@ -16,17 +16,18 @@ def test_interleaved_is_complex_multiplication():
     dim, positions = 8, 6
     x = torch.randn(2, positions, dim, dtype=torch.float64)
     cos, sin = rope_angles(dim, positions)
-    theta = torch.complex(cos.double(), sin.double())
-    expected = torch.view_as_real(torch.view_as_complex(x.view(2, positions, dim // 2, 2)) * theta).flatten(-2)
-    torch.testing.assert_close(apply_rope(x, cos.double(), sin.double(), INTERLEAVED), expected)
+    expected = torch.view_as_real(torch.view_as_complex(x.view(2, positions, dim // 2, 2)) * torch.complex(cos, sin))
+    cos_full, sin_full = rope_tables(dim, positions, style=INTERLEAVED)
+    torch.testing.assert_close(apply_rope(x, cos_full.double(), sin_full.double(), INTERLEAVED),
+                               expected.flatten(-2), rtol=1e-6, atol=1e-6)
 
 
 def test_layouts_agree_after_permutation():
     torch.manual_seed(1)
     x = torch.randn(2, 3, 5, 16)
-    cos, sin = rope_angles(16, 5, base=500.0)
-    torch.testing.assert_close(to_half_layout(apply_rope(x, cos, sin, INTERLEAVED)),
-                               apply_rope(to_half_layout(x), cos, sin, HALF))
+    interleaved = apply_rope(x, *rope_tables(16, 5, 500.0, INTERLEAVED), INTERLEAVED)
+    half = apply_rope(to_half_layout(x), *rope_tables(16, 5, 500.0, HALF), HALF)
+    torch.testing.assert_close(to_half_layout(interleaved), half)
 
 
 def test_rotation_keeps_norm_and_position_zero_is_identity():

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import ModelConfig
+from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
 
@@ -109,35 +110,91 @@ def dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
 
 
-def state_dict_from_gguf(file: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor names -> Decoder parameter names, Q/K un-permuted, QKV and gate/up fused."""
-    def get(name: str) -> torch.Tensor:
+# Each fused kvlab matrix and the GGUF tensors whose rows it stacks.
+LAYER_MATRICES = {
+    "attn.qkv": ("attn_q", "attn_k", "attn_v"),
+    "attn.o": ("attn_output",),
+    "mlp.gate_up": ("ffn_gate", "ffn_up"),
+    "mlp.down": ("ffn_down",),
+}
+Q4_GROUP = 32
+
+
+def q4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 tensor's 4-bit codes [rows, cols] and per-32 scale and offset [rows, cols / 32].
+
+    Block layout (llama.cpp ggml-common.h): fp16 d, (Q4_1 only) fp16 m, then 16 bytes whose low
+    nibbles are weights 0..15 and high nibbles weights 16..31. w = q d + m (Q4_1), (q - 8) d (Q4_0).
+    """
+    from gguf import GGMLQuantizationType
+
+    q4_1 = tensor.tensor_type == GGMLQuantizationType.Q4_1
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+    blocks = np.asarray(tensor.data).reshape(rows, cols // Q4_GROUP, 20 if q4_1 else 18)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if q4_1 else -8 * scale
+    packed = blocks[..., 4:] if q4_1 else blocks[..., 2:]
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+    return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(offset)
+
+
+def is_q4(tensor: Any) -> bool:
+    from gguf import GGMLQuantizationType
+    return tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+
+def _rows(name: str, config: ModelConfig):
+    """The row transform a GGUF matrix needs: Q and K rows un-permuted per head."""
+    if name == "attn_q":
+        return lambda t: unpermute_rope_rows(t, config.n_heads)
+    if name == "attn_k":
+        return lambda t: unpermute_rope_rows(t, config.kv_heads)
+    return lambda t: t
+
+
+def load_weights(file: GGUFFile, config: ModelConfig, int4_dtype: Optional[torch.dtype] = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Linear]]:
+    """Dense tensors under Decoder names, plus (with `int4_dtype`) Int4Linear modules built
+    straight from Q4_0/Q4_1 blocks for every layer matrix whose parts are all 4-bit."""
+    def tensor(name: str) -> Any:
         if name not in file.tensors:
             raise PlanError(f"GGUF file lacks tensor {name}")
-        return dequantize(file.tensors[name])
+        return file.tensors[name]
 
-    state = {"embed.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    state = {"embed.weight": dequantize(tensor("token_embd.weight")), "norm.weight": dequantize(tensor("output_norm.weight"))}
     if not config.tie_embeddings:
-        state["lm_head.weight"] = get("output.weight")
+        state["lm_head.weight"] = dequantize(tensor("output.weight"))
+    modules: dict[str, Int4Linear] = {}
     for i in range(config.n_layers):
-        blk, ours = f"blk.{i}.", f"blocks.{i}."
-        q = unpermute_rope_rows(get(blk + "attn_q.weight"), config.n_heads)
-        k = unpermute_rope_rows(get(blk + "attn_k.weight"), config.kv_heads)
-        state[ours + "attn.qkv.weight"] = torch.cat((q, k, get(blk + "attn_v.weight")))
-        state[ours + "attn.o.weight"] = get(blk + "attn_output.weight")
-        state[ours + "mlp.gate_up.weight"] = torch.cat((get(blk + "ffn_gate.weight"), get(blk + "ffn_up.weight")))
-        state[ours + "mlp.down.weight"] = get(blk + "ffn_down.weight")
-        state[ours + "attn_norm.weight"] = get(blk + "attn_norm.weight")
-        state[ours + "mlp_norm.weight"] = get(blk + "ffn_norm.weight")
-    return state
+        state[f"blocks.{i}.attn_norm.weight"] = dequantize(tensor(f"blk.{i}.attn_norm.weight"))
+        state[f"blocks.{i}.mlp_norm.weight"] = dequantize(tensor(f"blk.{i}.ffn_norm.weight"))
+        for ours, parts in LAYER_MATRICES.items():
+            stored = [tensor(f"blk.{i}.{part}.weight") for part in parts]
+            rows = sum(int(t.shape[1]) for t in stored)
+            if int4_dtype is not None and all(map(is_q4, stored)) and int4_supported(rows, int(stored[0].shape[0]), Q4_GROUP):
+                pieces = [[_rows(part, config)(x) for x in q4_codes(t)] for part, t in zip(parts, stored)]
+                codes, scale, offset = (torch.cat(column) for column in zip(*pieces))
+                modules[f"blocks.{i}.{ours}"] = Int4Linear.from_offset_codes(codes, scale, offset, Q4_GROUP, int4_dtype)
+            else:
+                state[f"blocks.{i}.{ours}.weight"] = torch.cat([_rows(p, config)(dequantize(t)) for p, t in zip(parts, stored)])
+    return state, modules
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder, Tokenizer, GGUFFile]:
-    """Model (in `dtype`, eval mode), tokenizer and the parsed file (for its metadata and bytes)."""
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4: bool = False) -> tuple[Decoder, Tokenizer, GGUFFile]:
+    """Model (in `dtype`, eval mode), tokenizer and the parsed file (for its metadata and bytes).
+
+    With `int4`, layer matrices stored as Q4_0/Q4_1 stay 4-bit (Int4Linear, bf16 kernel) and the
+    embedding and LM head are kept in bf16: a decode step then reads about a quarter of the
+    fp32 bytes. Activations, norms and the KV cache stay in `dtype` either way.
+    """
     file = read_gguf(path)
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise PlanError(f"{path}: no token_embd.weight tensor; is this a language model?")
     config = config_from_gguf(file.meta, int(embed.shape[1]), tied="output.weight" not in file.tensors)
-    model = Decoder.from_state_dict(config, state_dict_from_gguf(file, config))
-    return model.to(dtype).eval(), tokenizer_from_gguf(file.meta), file
+    state, modules = load_weights(file, config, torch.bfloat16 if int4 else None)
+    model = Decoder.from_state_dict(config, state, modules).to(dtype)
+    if int4:
+        model.embed.to(torch.bfloat16)
+        model.lm_head.to(torch.bfloat16)
+    return model.eval(), tokenizer_from_gguf(file.meta), file

@@ -58,17 +58,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
         """x [B,T,dim] at positions start..start+T-1; `cache` (a kvlab.cache.KVCache) grows by T."""
         batch, new, _ = x.shape
-        q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(batch, new, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, new, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, new, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = rope(q, start)
-        if cache is None:
-            k = rope(k, start)
-        else:
+        heads = self.qkv(x).view(batch, new, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_and_k = self.n_heads + self.n_kv_heads
+        v = heads[:, q_and_k:]
+        if cache is not None and cache.pre_rope:
             # A pre-RoPE cache (KVQuant-style) stores raw keys and rotates what it returns.
-            if not cache.pre_rope:
-                k = rope(k, start)
+            q, k = rope(heads[:, :self.n_heads], start), heads[:, self.n_heads:q_and_k]
+        else:
+            rotated = rope(heads[:, :q_and_k], start)  # queries and keys in one call
+            q, k = rotated[:, :self.n_heads], rotated[:, self.n_heads:]
+        if cache is not None:
             k, v = cache.update(layer, k, v)
         y = attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))

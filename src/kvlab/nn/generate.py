@@ -8,6 +8,7 @@ streaming callback.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
@@ -41,6 +42,7 @@ def generate(
     cache=None,
     stop_ids: Iterable[int] = (),
     on_token: Optional[TokenCallback] = None,
+    stats: Optional[dict] = None,
 ) -> torch.Tensor:
     """Continue `prompt` (ids, or [B,T] for a batch) by up to `max_new_tokens`; returns [B, new].
 
@@ -53,12 +55,15 @@ def generate(
     if tokens.shape[1] == 0:
         raise ValueError("generation needs at least one prompt token (a BOS token will do)")
     batch = tokens.shape[0]
-    if cache is None:
-        cache = model.new_cache(batch, tokens.shape[1] + max_new_tokens)
+    if cache is None:  # the last token is sampled, never fed back: it needs no cache slot
+        cache = model.new_cache(batch, tokens.shape[1] + max_new_tokens - 1)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
     finished = torch.zeros(batch, dtype=torch.bool)
     out = []
+    start = time.perf_counter()
     logits = model(tokens, cache, last_only=True)
+    prefill_end = time.perf_counter()
+    steps = 0
     for step in range(max_new_tokens):
         next_ids = sample(logits[:, -1], temperature, top_k, generator)
         out.append(next_ids)
@@ -70,4 +75,7 @@ def generate(
                 break
         if step + 1 < max_new_tokens:
             logits = model(next_ids[:, None], cache, last_only=True)
+            steps += 1
+    if stats is not None:
+        stats.update(prefill_s=prefill_end - start, decode_s=time.perf_counter() - prefill_end, decode_steps=steps)
     return torch.stack(out, dim=1) if out else tokens.new_zeros((batch, 0))

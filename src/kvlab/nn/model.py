@@ -60,12 +60,20 @@ class Decoder(nn.Module):
             nn.init.zeros_(module.bias)
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, state: dict[str, torch.Tensor]) -> "Decoder":
-        """A decoder that adopts `state`'s tensors, skipping random init (built on the meta device)."""
+    def from_state_dict(cls, config: ModelConfig, state: dict[str, torch.Tensor],
+                        modules: Optional[dict[str, nn.Module]] = None) -> "Decoder":
+        """A decoder that adopts `state`'s tensors, skipping random init (built on the meta device).
+
+        `modules` replaces sub-modules by name (e.g. "blocks.0.attn.qkv" -> an Int4Linear) before loading.
+        """
+        modules = modules or {}
         with torch.device("meta"):
             model = cls(config)
+        for name, module in modules.items():
+            model.set_submodule(name, module)
         result = model.load_state_dict(state, assign=True, strict=False)
-        if result.unexpected_keys or set(result.missing_keys) - ({"lm_head.weight"} if config.tie_embeddings else set()):
+        missing = {key for key in result.missing_keys if key.rsplit(".", 1)[0] not in modules}
+        if result.unexpected_keys or missing - ({"lm_head.weight"} if config.tie_embeddings else set()):
             raise PlanError(f"checkpoint tensors do not match the {config.name} config: {result}")
         if config.tie_embeddings:
             model.lm_head.weight = model.embed.weight
@@ -74,17 +82,19 @@ class Decoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activations' dtype (the norms'); big matrices may be stored narrower (bf16, int4)."""
+        return self.norm.weight.dtype
 
     def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs)."""
         start = cache.seq_len(0) if cache is not None else 0
-        x = self.embed(tokens)
+        x = self.embed(tokens).to(self.dtype)
         for layer, block in enumerate(self.blocks):
             x = block(x, self.rope, start, cache, layer)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        # The head computes in its weights' dtype: a bf16 head reads half the bytes of an fp32 one.
+        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))
 
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
                   group_size: Optional[int] = None, residual: Optional[int] = None,

@@ -6,6 +6,10 @@ p * base^(-2i/dim). The two layouts differ only in which channels form a pair:
 - "interleaved" (the RoPE paper, llama2.c, llama.cpp's NORM mode): channel 2i pairs with 2i + 1.
 A model trained in one layout runs in the other once its Q/K projection rows are permuted,
 which is why GGUF files store Llama's Q/K rows permuted (see kvlab.checkpoints.gguf).
+
+Either way the rotation is x * cos + partner(x) * sin_signed, where partner(x) swaps each
+pair and the tables are widened to the full head: three elementwise ops per call, which
+matters when a decode step applies RoPE sixty times.
 """
 
 from __future__ import annotations
@@ -19,23 +23,34 @@ ROPE_STYLES = (HALF, INTERLEAVED)
 
 
 def rope_angles(dim: int, max_seq_len: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [max_seq_len, dim // 2], computed in float64 for accuracy."""
+    """cos and sin of each pair's angle, [max_seq_len, dim // 2], computed in float64 for accuracy."""
     if dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {dim}")
     inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos(), angles.sin()
+
+
+def rope_tables(dim: int, max_seq_len: int, base: float = 10000.0, style: str = HALF) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width cos and signed sin [max_seq_len, dim] laid out for `style` (fp32)."""
+    cos, sin = rope_angles(dim, max_seq_len, base)
+    if style == HALF:
+        return torch.cat((cos, cos), -1).float(), torch.cat((-sin, sin), -1).float()
+    if style == INTERLEAVED:
+        return cos.repeat_interleave(2, -1).float(), torch.stack((-sin, sin), -1).flatten(-2).float()
+    raise ValueError(f"unknown RoPE style {style!r}; expected one of {ROPE_STYLES}")
+
+
+def partner(x: torch.Tensor, style: str) -> torch.Tensor:
+    """Each channel's pair partner: (x2, x1) for half layout, (x[2i+1], x[2i]) for interleaved."""
+    if style == HALF:
+        return x.roll(x.shape[-1] // 2, dims=-1)
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = HALF) -> torch.Tensor:
-    """Rotate `x` [..., T, dim] by per-position `cos`/`sin` [T, dim // 2]."""
-    if style == HALF:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if style == INTERLEAVED:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    raise ValueError(f"unknown RoPE style {style!r}; expected one of {ROPE_STYLES}")
+    """Rotate `x` [..., T, dim] with full-width tables `cos`, `sin` [T, dim] from `rope_tables`."""
+    return torch.addcmul(x * cos, partner(x, style), sin)
 
 
 class RoPE(nn.Module):
@@ -47,10 +62,8 @@ class RoPE(nn.Module):
 
     def __init__(self, dim: int, max_seq_len: int, base: float = 10000.0, style: str = HALF):
         super().__init__()
-        if style not in ROPE_STYLES:
-            raise ValueError(f"unknown RoPE style {style!r}; expected one of {ROPE_STYLES}")
         self.dim, self.max_seq_len, self.base, self.style = dim, max_seq_len, base, style
-        cos, sin = rope_angles(dim, max_seq_len, base)
+        cos, sin = rope_tables(dim, max_seq_len, base, style)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

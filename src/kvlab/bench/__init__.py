@@ -1,0 +1,1 @@
+"""Offline measurements: decode speed against transformers, machine bandwidth, provenance."""

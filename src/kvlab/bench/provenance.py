@@ -1,0 +1,58 @@
+"""Where a measured number came from: versions, machine, commit and time, stored with it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def git_commit() -> Optional[str]:
+    """The repository's HEAD (with "+dirty" when files differ), or None outside a checkout."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(threads: Optional[int] = None) -> dict:
+    """Versions, machine and commit for a result's JSON."""
+    import torch
+
+    from kvlab import __version__
+    info = {
+        "kvlab_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
+                    "platform": platform.platform()},
+        "git_commit": git_commit(),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import transformers
+        info["transformers_version"] = transformers.__version__
+    except ImportError:
+        pass
+    return info

@@ -1,0 +1,42 @@
+"""Flags shared by the commands that run a real model (`kvlab generate`, `kvlab measure`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlab.commands.args import positive_int
+from kvlab.plan.errors import PlanError
+from kvlab.plan.kv_formats import KV_CACHE_DTYPES
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache storage (auto = the activations' dtype)")
+    parser.add_argument("--kv-heads", type=positive_int,
+                        help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
+    parser.add_argument("--weights", default="auto", choices=("auto", "dense", "int4"),
+                        help="auto/int4: keep a GGUF's Q4_0/Q4_1 matrices 4-bit (bf16 kernel); dense: dequantise")
+    parser.add_argument("--threads", type=positive_int,
+                        help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
+
+
+def load_from_args(args: argparse.Namespace):
+    """The model the flags name, converted to --kv-heads when asked (a dense copy: conversion averages weights)."""
+    import torch
+
+    from kvlab.checkpoints.resolve import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.weights == "int4" and args.kv_heads:
+        raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
+    int4 = args.weights == "int4" or (args.weights == "auto" and not args.kv_heads)
+    loaded = load_model(args.model, getattr(torch, DTYPES[args.dtype]), int4=int4)
+    if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
+        from kvlab.checkpoints.convert import convert_kv_heads
+        loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")
+    return loaded

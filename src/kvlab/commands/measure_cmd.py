@@ -1,0 +1,140 @@
+"""`kvlab measure`: run a real model and set what it did beside what the planner predicts.
+
+Planned cache bytes come from kvlab.plan for the very config that ran (ModelConfig.to_plan_spec)
+and must equal the cache's `nbytes()` exactly. Speed is reported the way vLLM's benchmarks
+define it: prefill tokens/s over the prompt, decode tokens/s over the one-token steps (the
+inverse of TPOT), and the decode rate as a fraction of this machine's bandwidth roofline,
+(weight bytes read per step + KV bytes read) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvlab.commands.args import non_negative_int, positive_float, positive_int
+from kvlab.commands.lab_args import add_lab_arguments, load_from_args
+from kvlab.plan.errors import PlanError
+
+EXAMPLES = """examples:
+  kvlab measure smollm2-135m
+  kvlab measure smollm2-135m --kv-heads 1 --kv-cache-dtype int4 --batch 4 --json
+  kvlab measure stories260k --prompt-len 256 --new-tokens 128 --bandwidth-gbs 40
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_lab_arguments(parser)
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per sequence (128)")
+    parser.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per sequence (64)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (1)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for the random prompt tokens")
+    parser.add_argument("--bandwidth-gbs", type=positive_float,
+                        help="memory bandwidth for the roofline (default: measured once, kept in ~/.cache/kvlab)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes a decode step streams: every parameter and buffer, less RoPE tables and, for an
+    untied model, the embedding table (a step reads one row of it)."""
+    skip = {id(model.rope.cos), id(model.rope.sin)}
+    if not model.config.tie_embeddings:
+        skip.add(id(model.embed.weight))
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
+    return sum(t.nbytes for t in tensors.values())
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import torch
+
+    from kvlab.bench.provenance import provenance
+    from kvlab.cache import CacheError
+    from kvlab.nn.generate import generate
+    from kvlab.nn.int4 import has_int4
+    from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+    from kvlab.plan.roofline import decode_step
+
+    loaded = load_from_args(args)
+    model, config = loaded.model, loaded.model.config
+    total = args.prompt_len + args.new_tokens
+    if total > config.max_seq_len:
+        raise PlanError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceeds the model's "
+                        f"{config.max_seq_len}-token context")
+    prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len),
+                           generator=torch.Generator().manual_seed(args.seed))
+    held = total - 1  # the last token generated is never fed back, so the cache ends holding this many
+    try:
+        generate(model, prompt[:, :8], 2, cache=model.new_cache(args.batch, 9, args.kv_cache_dtype))  # warm-up
+        cache = model.new_cache(args.batch, held, args.kv_cache_dtype)
+    except CacheError as error:
+        raise PlanError(str(error)) from None
+    stats: dict = {}
+    generate(model, prompt, args.new_tokens, cache=cache, stats=stats)
+
+    spec = config.to_plan_spec()
+    model_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    formats = cache_formats(args.kv_cache_dtype, model_dtype=model_dtype)
+    planned = args.batch * kv_bytes_per_sequence(spec, held, formats)
+    measured = cache.nbytes()
+
+    if args.bandwidth_gbs:
+        bandwidth, source = args.bandwidth_gbs, "--bandwidth-gbs"
+    else:
+        from kvlab.bench.bandwidth import machine_bandwidth_gbs
+        bandwidth, source = machine_bandwidth_gbs()
+    weights = weight_bytes_read(model)
+    mean_context = args.prompt_len + args.new_tokens // 2
+    kv_read = kv_bytes_per_sequence(spec, mean_context, formats)
+    floor = decode_step(spec, weights, kv_read, args.batch, mean_context, bandwidth, float("inf")).seconds
+    steps = stats["decode_steps"]
+    decode_rate = args.batch * steps / stats["decode_s"] if steps else None
+    roofline_rate = args.batch / floor
+    return {
+        "model": config.name, "path": loaded.path,
+        "config": {"layers": config.n_layers, "q_heads": config.n_heads, "kv_heads": config.kv_heads,
+                   "head_dim": config.head_size, "params": config.param_count()},
+        "weights": "int4" if has_int4(model) else "dense", "dtype": model_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "kv_format": formats.label,
+        "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tokens_cached": held,
+        "kv_bytes_planned": planned, "kv_bytes_measured": measured, "kv_bytes_match": planned == measured,
+        "prefill_tokens_per_s": args.batch * args.prompt_len / stats["prefill_s"],
+        "decode_tokens_per_s": decode_rate,
+        "weight_bytes_read_per_step": weights, "kv_bytes_read_per_sequence": kv_read,
+        "bandwidth_gbs": round(bandwidth, 2), "bandwidth_source": source,
+        "roofline_decode_tokens_per_s": roofline_rate,
+        "roofline_fraction": decode_rate / roofline_rate if decode_rate else None,
+        "provenance": provenance(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    table = Table(title=f"{result['model']}: {result['batch']} x ({result['prompt_len']} prompt + "
+                        f"{result['new_tokens']} new tokens), {result['weights']} weights, {result['dtype']} activations")
+    table.add_column("quantity")
+    table.add_column("planned / roofline", justify="right")
+    table.add_column("measured", justify="right")
+    match = "[green]equal[/green]" if result["kv_bytes_match"] else "[red]differ[/red]"
+    table.add_row(f"KV cache bytes ({result['kv_format']}) {match}", f"{result['kv_bytes_planned']:,}",
+                  f"{result['kv_bytes_measured']:,}")
+    table.add_row("prefill tokens/s", "", f"{result['prefill_tokens_per_s']:,.0f}")
+    decode = result["decode_tokens_per_s"]
+    table.add_row("decode tokens/s", f"{result['roofline_decode_tokens_per_s']:,.1f}",
+                  f"{decode:,.1f}" if decode else "n/a")
+    if result["roofline_fraction"] is not None:
+        table.add_row("fraction of bandwidth roofline", "", f"{result['roofline_fraction']:.0%}")
+    table.add_row("weight bytes read per step", "", f"{result['weight_bytes_read_per_step']:,}")
+    table.add_row("bandwidth GB/s", "", f"{result['bandwidth_gbs']} ({result['bandwidth_source']})")
+    console.print(table)
+    return 0

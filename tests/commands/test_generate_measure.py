@@ -1,0 +1,71 @@
+"""`kvlab generate` and `kvlab measure` end to end through kvlab.cli.main, on stories260K."""
+
+import json
+import os
+
+import pytest
+
+from kvlab.cli import main
+
+STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K.gguf")
+pytestmark = pytest.mark.skipif(not os.path.isfile(STORIES), reason="../shared/models/stories260K.gguf is absent")
+
+
+def test_generate_streams_the_known_story(capsys):
+    code = main(["generate", STORIES, "--prompt", "Once upon a time", "--max-tokens", "20", "--temperature", "0",
+                 "--threads", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out.startswith("Once upon a time, there was a little girl named Lily.")
+    assert "tok/s decode" in err
+
+
+def test_generate_by_name_from_bos_with_sampling_is_seeded(capsys, monkeypatch):
+    monkeypatch.setenv("KVLAB_SHARED", os.path.join(os.path.dirname(STORIES), ".."))
+    runs = []
+    for _ in range(2):
+        assert main(["generate", "stories260k", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7",
+                     "--threads", "1"]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and len(runs[0].strip()) > 10
+
+
+@pytest.mark.parametrize("kv_dtype,kv_heads", [("auto", None), ("int8", None), ("kivi2", None), ("fp8", 2),
+                                               ("int4", 1)])
+def test_measure_json_bytes_equal_the_plan(capsys, kv_dtype, kv_heads):
+    argv = ["measure", STORIES, "--kv-cache-dtype", kv_dtype, "--prompt-len", "40", "--new-tokens", "9",
+            "--batch", "2", "--bandwidth-gbs", "30", "--json", "--threads", "1"]
+    if kv_heads:
+        argv += ["--kv-heads", str(kv_heads)]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kv_bytes_measured"] == result["kv_bytes_planned"] > 0
+    assert result["tokens_cached"] == 48 and result["config"]["kv_heads"] == (kv_heads or 4)
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "roofline_fraction"):
+        assert result[key] > 0
+    assert result["provenance"]["torch_version"] and result["provenance"]["kvlab_version"]
+
+
+def test_measure_table(capsys):
+    assert main(["measure", STORIES, "--prompt-len", "8", "--new-tokens", "4", "--bandwidth-gbs", "30",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache bytes (fp32) equal" in out and "decode tokens/s" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "no-such-model", "--max-tokens", "3"], "unknown model 'no-such-model'"),
+    (["generate", STORIES, "--max-tokens", "5000"], "exceeds the model's"),
+    (["measure", STORIES, "--kv-heads", "3"], "divide the 8 query heads"),
+    (["measure", STORIES, "--kv-cache-dtype", "int4", "--kv-heads", "2", "--weights", "int4"], "no longer 4-bit"),
+    (["generate", STORIES, "--max-tokens", "-2"], "positive integer"),
+    (["generate", STORIES, "--chat", "--prompt", "hi"], "no chat template"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    try:
+        code = main(argv + ["--threads", "1"])
+    except SystemExit as exit_:  # argparse's own errors exit from inside the parser
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
