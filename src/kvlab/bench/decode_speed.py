@@ -6,8 +6,9 @@ Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers with `gguf
 take the same 32-token prompt and produce exactly `--new-tokens` tokens greedily; each
 timing covers prefill and decode, as a user waiting for the text sees them. The result is the
 median of `--repeats` runs after one warm-up, the engines taking turns so that load from
-other processes on a shared machine falls on all of them alike. kvlab keeps the file's 4-bit layer weights
-packed (`--kvlab-weights int4`, the default) or dequantises them (`dense`). transformers runs
+other processes on a shared machine falls on all of them alike. kvlab computes on the file's Q4_1/Q8_0 blocks
+(`--kvlab-weights gguf`, the default), on PyTorch's int4 kernel (`int4`) or on dequantised
+fp32 matrices (`dense`). transformers runs
 in fp32 (what it loads by default) and bf16; the ratio is taken against the faster of the two.
 """
 
@@ -67,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--kvlab-weights", choices=("int4", "dense"), default="int4")
+    parser.add_argument("--kvlab-weights", choices=("gguf", "int4", "dense"), default="gguf")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    loaded = load_model(args.model, torch.float32, int4=(args.kvlab_weights == "int4"))
+    loaded = load_model(args.model, torch.float32, args.kvlab_weights)
     prompt = loaded.tokenizer.encode(PROMPT)[:32]
     engines = {f"kvlab ({args.kvlab_weights} weights, fp32 activations)": kvlab_engine(loaded, prompt, args.new_tokens)}
     if not args.skip_transformers:

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from kvlab.nn.int4 import has_int4
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
 
@@ -53,8 +52,8 @@ def convert_kv_heads(model: Decoder, kv_heads: int, method: str = "mean", seed: 
     config = model.config
     if config.attention != "gqa":
         raise PlanError("--kv-heads converts grouped-query attention; this model uses MLA")
-    if has_int4(model):
-        raise PlanError("KV-head conversion needs dense weights (load without int4)")
+    if model.packing != "dense":
+        raise PlanError(f"KV-head conversion averages weights and needs dense ones, not {model.packing}")
     if kv_heads <= 0 or config.n_heads % kv_heads:
         raise PlanError(f"--kv-heads {kv_heads} must be positive and divide the {config.n_heads} query heads")
     generator = torch.Generator().manual_seed(seed)

@@ -19,9 +19,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from torch import nn
 
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import ModelConfig
+from kvlab.nn.ggml import GGMLLinear, kernels
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
@@ -152,49 +154,83 @@ def _rows(name: str, config: ModelConfig):
     return lambda t: t
 
 
-def load_weights(file: GGUFFile, config: ModelConfig, int4_dtype: Optional[torch.dtype] = None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, Int4Linear]]:
-    """Dense tensors under Decoder names, plus (with `int4_dtype`) Int4Linear modules built
-    straight from Q4_0/Q4_1 blocks for every layer matrix whose parts are all 4-bit."""
+PACKINGS = ("dense", "int4", "gguf")
+
+
+def raw_rows(tensor: Any) -> torch.Tensor:
+    """A quantised tensor's stored bytes, one row of blocks per output row: uint8 [rows, bytes]."""
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)).reshape(int(tensor.shape[1]), -1).copy())
+
+
+def block_kind(tensor: Any) -> Optional[str]:
+    """"q4_1" or "q8_0" when kvlab's block kernels can compute on this tensor as stored."""
+    from gguf import GGMLQuantizationType
+    return {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}.get(tensor.tensor_type)
+
+
+def packed_linear(parts: list[str], stored: list[Any], config: ModelConfig, packing: str) -> Optional[nn.Module]:
+    """The layer that keeps `stored` (row-stacked) in its file format, or None to dequantise it."""
+    in_features = int(stored[0].shape[0])
+    rows = sum(int(t.shape[1]) for t in stored)
+    if packing == "gguf" and kernels() is not None and len({block_kind(t) for t in stored}) == 1 \
+            and block_kind(stored[0]) is not None:
+        return GGMLLinear(torch.cat([_rows(p, config)(raw_rows(t)) for p, t in zip(parts, stored)]),
+                          block_kind(stored[0]), in_features)
+    if packing == "int4" and all(map(is_q4, stored)) and int4_supported(rows, in_features, Q4_GROUP):
+        pieces = [[_rows(p, config)(x) for x in q4_codes(t)] for p, t in zip(parts, stored)]
+        codes, scale, offset = (torch.cat(column) for column in zip(*pieces))
+        return Int4Linear.from_offset_codes(codes, scale, offset, Q4_GROUP)
+    return None
+
+
+def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """Dense tensors under Decoder names, plus packed modules for the layer matrices (and, with
+    "gguf", the LM head) whose stored format the chosen packing computes on directly."""
+    if packing not in PACKINGS:
+        raise PlanError(f"unknown weight packing {packing!r}; expected one of {', '.join(PACKINGS)}")
+
     def tensor(name: str) -> Any:
         if name not in file.tensors:
             raise PlanError(f"GGUF file lacks tensor {name}")
         return file.tensors[name]
 
     state = {"embed.weight": dequantize(tensor("token_embd.weight")), "norm.weight": dequantize(tensor("output_norm.weight"))}
-    if not config.tie_embeddings:
+    modules: dict[str, nn.Module] = {}
+    head = "token_embd" if config.tie_embeddings else "output"
+    layer = packed_linear([head], [tensor(f"{head}.weight")], config, packing) if packing == "gguf" else None
+    if layer is not None:
+        modules["lm_head"] = layer
+    elif not config.tie_embeddings:
         state["lm_head.weight"] = dequantize(tensor("output.weight"))
-    modules: dict[str, Int4Linear] = {}
     for i in range(config.n_layers):
         state[f"blocks.{i}.attn_norm.weight"] = dequantize(tensor(f"blk.{i}.attn_norm.weight"))
         state[f"blocks.{i}.mlp_norm.weight"] = dequantize(tensor(f"blk.{i}.ffn_norm.weight"))
         for ours, parts in LAYER_MATRICES.items():
             stored = [tensor(f"blk.{i}.{part}.weight") for part in parts]
-            rows = sum(int(t.shape[1]) for t in stored)
-            if int4_dtype is not None and all(map(is_q4, stored)) and int4_supported(rows, int(stored[0].shape[0]), Q4_GROUP):
-                pieces = [[_rows(part, config)(x) for x in q4_codes(t)] for part, t in zip(parts, stored)]
-                codes, scale, offset = (torch.cat(column) for column in zip(*pieces))
-                modules[f"blocks.{i}.{ours}"] = Int4Linear.from_offset_codes(codes, scale, offset, Q4_GROUP, int4_dtype)
+            layer = packed_linear(list(parts), stored, config, packing)
+            if layer is not None:
+                modules[f"blocks.{i}.{ours}"] = layer
             else:
                 state[f"blocks.{i}.{ours}.weight"] = torch.cat([_rows(p, config)(dequantize(t)) for p, t in zip(parts, stored)])
     return state, modules
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32, int4: bool = False) -> tuple[Decoder, Tokenizer, GGUFFile]:
-    """Model (in `dtype`, eval mode), tokenizer and the parsed file (for its metadata and bytes).
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, packing: str = "dense"
+              ) -> tuple[Decoder, Tokenizer, GGUFFile]:
+    """Model (eval mode), tokenizer and the parsed file (for its metadata and bytes).
 
-    With `int4`, layer matrices stored as Q4_0/Q4_1 stay 4-bit (Int4Linear, bf16 kernel) and the
-    embedding and LM head are kept in bf16: a decode step then reads about a quarter of the
-    fp32 bytes. Activations, norms and the KV cache stay in `dtype` either way.
+    `packing` says how matrices stored quantised are kept: "dense" dequantises everything into
+    `dtype`; "gguf" keeps Q4_1/Q8_0 blocks as stored and computes on them (GGMLLinear, the
+    fastest at batch 1); "int4" keeps Q4_0/Q4_1 matrices for PyTorch's int4 kernel
+    (Int4Linear). Matrices a packing cannot hold are dequantised; activations, norms and the
+    KV cache are in `dtype` either way.
     """
     file = read_gguf(path)
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise PlanError(f"{path}: no token_embd.weight tensor; is this a language model?")
     config = config_from_gguf(file.meta, int(embed.shape[1]), tied="output.weight" not in file.tensors)
-    state, modules = load_weights(file, config, torch.bfloat16 if int4 else None)
+    state, modules = load_weights(file, config, packing)
     model = Decoder.from_state_dict(config, state, modules).to(dtype)
-    if int4:
-        model.embed.to(torch.bfloat16)
-        model.lm_head.to(torch.bfloat16)
     return model.eval(), tokenizer_from_gguf(file.meta), file

@@ -78,11 +78,11 @@ def resolve_model_path(name: str) -> str:
     raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, int4: bool = False) -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
     """Resolve `name` and load its weights and tokenizer; activations in `dtype`.
 
-    `int4` keeps a GGUF's Q4_0/Q4_1 layer matrices 4-bit (see kvlab.checkpoints.gguf.load_gguf);
-    other checkpoints are dense whatever it says.
+    `packing` ("dense", "gguf", "int4") says how a GGUF's quantised matrices are kept (see
+    kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
     """
     path = resolve_model_path(name)
     if os.path.isdir(path):
@@ -90,5 +90,5 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, int4: bool = False
         model, tokenizer = load_hf(path, dtype)
         return LoadedModel(model, tokenizer, path, None)
     from kvlab.checkpoints.gguf import load_gguf
-    model, tokenizer, file = load_gguf(path, dtype, int4=int4)
+    model, tokenizer, file = load_gguf(path, dtype, packing)
     return LoadedModel(model, tokenizer, path, file.weight_bytes)

@@ -18,8 +18,10 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
-    parser.add_argument("--weights", default="auto", choices=("auto", "dense", "int4"),
-                        help="auto/int4: keep a GGUF's Q4_0/Q4_1 matrices 4-bit (bf16 kernel); dense: dequantise")
+    parser.add_argument("--weights", default="auto", choices=("auto", "dense", "gguf", "int4"),
+                        help="gguf: compute on a GGUF's Q4_1/Q8_0 blocks as stored (kvlab's kernels); int4: "
+                             "PyTorch's int4 kernel; dense: dequantise; auto: gguf where the kernels build, "
+                             "else int4 (dense with --kv-heads)")
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
 
@@ -32,10 +34,13 @@ def load_from_args(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.weights == "int4" and args.kv_heads:
+    if args.weights in ("gguf", "int4") and args.kv_heads:
         raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
-    int4 = args.weights == "int4" or (args.weights == "auto" and not args.kv_heads)
-    loaded = load_model(args.model, getattr(torch, DTYPES[args.dtype]), int4=int4)
+    packing = args.weights
+    if packing == "auto":
+        from kvlab.nn.ggml import kernels
+        packing = "dense" if args.kv_heads else "gguf" if kernels() is not None else "int4"
+    loaded = load_model(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
         loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")

@@ -54,7 +54,6 @@ def measure(args: argparse.Namespace) -> dict:
     from kvlab.bench.provenance import provenance
     from kvlab.cache import CacheError
     from kvlab.nn.generate import generate
-    from kvlab.nn.int4 import has_int4
     from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
     from kvlab.plan.roofline import decode_step
 
@@ -97,7 +96,7 @@ def measure(args: argparse.Namespace) -> dict:
         "model": config.name, "path": loaded.path,
         "config": {"layers": config.n_layers, "q_heads": config.n_heads, "kv_heads": config.kv_heads,
                    "head_dim": config.head_size, "params": config.param_count()},
-        "weights": "int4" if has_int4(model) else "dense", "dtype": model_dtype,
+        "weights": model.packing, "dtype": model_dtype,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_format": formats.label,
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tokens_cached": held,
         "kv_bytes_planned": planned, "kv_bytes_measured": measured, "kv_bytes_match": planned == measured,

@@ -22,12 +22,10 @@ def int4_supported(out_features: int, in_features: int, group_size: int) -> bool
     return out_features % 16 == 0 and in_features % group_size == 0 and group_size in (32, 64, 128, 256)
 
 
-def has_int4(model: nn.Module) -> bool:
-    return any(isinstance(module, Int4Linear) for module in model.modules())
-
-
 class Int4Linear(nn.Module):
     """y = x W^T with W [out, in] stored as packed 4-bit codes and per-group scale/zero."""
+
+    packing = "int4"
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  dtype: torch.dtype = torch.bfloat16):

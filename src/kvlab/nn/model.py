@@ -75,10 +75,16 @@ class Decoder(nn.Module):
         missing = {key for key in result.missing_keys if key.rsplit(".", 1)[0] not in modules}
         if result.unexpected_keys or missing - ({"lm_head.weight"} if config.tie_embeddings else set()):
             raise PlanError(f"checkpoint tensors do not match the {config.name} config: {result}")
-        if config.tie_embeddings:
+        if config.tie_embeddings and "lm_head" not in modules:
             model.lm_head.weight = model.embed.weight
         model.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)  # buffers off meta
         return model
+
+    @property
+    def packing(self) -> str:
+        """How the big matrices are held: "dense", or a packed layer's kind ("gguf", "int4")."""
+        kinds = {getattr(module, "packing", None) for module in self.modules() if module is not self} - {None}
+        return "+".join(sorted(kinds)) or "dense"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,13 +94,12 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs)."""
         start = cache.seq_len(0) if cache is not None else 0
-        x = self.embed(tokens).to(self.dtype)
+        x = self.embed(tokens)
         for layer, block in enumerate(self.blocks):
             x = block(x, self.rope, start, cache, layer)
         if last_only:
             x = x[:, -1:]
-        # The head computes in its weights' dtype: a bf16 head reads half the bytes of an fp32 one.
-        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))
+        return self.lm_head(self.norm(x))
 
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
                   group_size: Optional[int] = None, residual: Optional[int] = None,

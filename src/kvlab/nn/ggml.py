@@ -1,0 +1,103 @@
+"""Linear layers that compute straight on a GGUF file's Q4_1 / Q8_0 blocks, as llama.cpp does.
+
+The weights keep the file's bytes (Q4_1: 20 bytes per 32 weights; Q8_0: 34), and each call
+quantises the activations to int8 per 32-element block, so every block's dot product is an
+integer one (csrc/ggml_gemv.c, AVX2). A batch-1 decode step then streams about a fifth of
+the fp32 bytes and does cheap integer work on them: on this project's 2-core CPU it is what
+makes decoding several times faster than dequantised fp32/bf16 matrices.
+
+The C file is compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
+loaded with ctypes (no torch headers, so it builds in about a second). Where that cannot
+happen (no compiler, no AVX2), `kernels()` is None and loaders fall back to other layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+QK = 32
+PREFILL_ROWS = 16  # from this many activation rows on, dequantise and use a float GEMM
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+SOURCE = Path(__file__).with_name("csrc") / "ggml_gemv.c"
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
+
+
+@lru_cache(maxsize=1)
+def kernels() -> Optional[ctypes.CDLL]:
+    """The compiled kernels, or None where this machine cannot build or run them."""
+    if os.environ.get("KVLAB_NO_KERNELS") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    source = SOURCE.read_bytes()
+    library = CACHE_DIR / f"ggml_gemv-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not library.is_file():
+        if compiler is None:
+            return None
+        try:
+            CACHE_DIR.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+                built = Path(tmp) / library.name
+                subprocess.run([compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
+                                str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+                os.replace(built, library)  # atomic: parallel builders never load a half-written file
+        except (OSError, subprocess.SubprocessError):
+            return None
+    lib = ctypes.CDLL(str(library))
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.ggml_linear.argtypes = [i32, ptr, i32, i32, i32, ptr, ptr]
+    lib.ggml_linear.restype = i32
+    lib.ggml_dequantize.argtypes = [i32, ptr, i32, i32, ptr]
+    return lib
+
+
+class GGMLLinear(nn.Module):
+    """y = x W^T with W [out, in] held as raw GGUF rows of Q4_1 or Q8_0 blocks."""
+
+    packing = "gguf"
+
+    def __init__(self, rows: torch.Tensor, kind: str, in_features: int):
+        """rows: uint8 [out, in / 32 * block bytes], the file's bytes for each output row."""
+        super().__init__()
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"unsupported block kind {kind!r}; expected one of {sorted(BLOCK_BYTES)}")
+        if in_features % QK or rows.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
+            raise ValueError(f"{kind} rows of {rows.shape[1]} bytes do not hold {in_features} weights")
+        if kernels() is None:
+            raise RuntimeError("the GGML kernels are unavailable on this machine (no C compiler or no AVX2)")
+        self.kind, self.in_features, self.out_features = kind, in_features, rows.shape[0]
+        self._kind_id = 0 if kind == "q4_1" else 1
+        self.register_buffer("rows", rows.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One C call per layer per step: at batch 1 Python overhead is a real share of a step.
+        flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if flat.shape[0] >= PREFILL_ROWS:
+            return F.linear(flat, self.weight).view(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = torch.empty(flat.shape[0], self.out_features)
+        if kernels().ggml_linear(self._kind_id, self.rows.data_ptr(), self.out_features, self.in_features,
+                                 flat.shape[0], flat.data_ptr(), y.data_ptr()):
+            raise MemoryError("ggml_linear could not allocate its activation buffers")
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense fp32 [out, in] weights the blocks encode, exactly."""
+        out = torch.empty(self.out_features, self.in_features)
+        kernels().ggml_dequantize(self._kind_id, self.rows.data_ptr(), self.out_features, self.in_features,
+                                  out.data_ptr())
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
