@@ -39,13 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 
 def weight_bytes_read(model) -> int:
-    """Bytes a decode step streams: every parameter and buffer, less RoPE tables and, for an
-    untied model, the embedding table (a step reads one row of it)."""
+    """Bytes a decode step streams: every parameter and buffer but the RoPE tables and the
+    embedding table, of which a step reads one row (a tied LM head still counts, via lm_head)."""
     skip = {id(model.rope.cos), id(model.rope.sin)}
-    if not model.config.tie_embeddings:
-        skip.add(id(model.embed.weight))
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip}
-    return sum(t.nbytes for t in tensors.values())
+    modules = [module for name, module in model.named_modules() if name != "embed"]
+    tensors = {id(t): t for module in modules
+               for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))}
+    return sum(t.nbytes for key, t in tensors.items() if key not in skip)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
     table = Table(title=f"{result['model']}: {result['batch']} x ({result['prompt_len']} prompt + "
-                        f"{result['new_tokens']} new tokens), {result['weights']} weights, {result['dtype']} activations")
+                        f"{result['new_tokens']} new tokens), {result['weights']} weights, {result['dtype']} activations, "
+                        f"{result['provenance']['machine']['torch_threads']} threads")
     table.add_column("quantity")
     table.add_column("planned / roofline", justify="right")
     table.add_column("measured", justify="right")
