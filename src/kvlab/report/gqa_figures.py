@@ -8,7 +8,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter  # noqa: E402
 
 COLOURS = {"mha": "#1f77b4", "mqa": "#d62728", "mla": "#9467bd"}
 METHOD_COLOURS = {"mean": "#2ca02c", "first": "#ff7f0e", "random": "#7f7f7f"}
@@ -155,10 +154,7 @@ def uptraining(results: dict):
         if kv in scratch:
             level = sum(scratch[kv]) / len(scratch[kv])
             ax.axhline(level, color="black", ls="--", lw=1, label=f"trained with {kv} KV heads from scratch")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))
-        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.2f"))
-        ax.set(xlabel="uptraining step", ylabel="validation loss (eval batches, log scale)",
+        ax.set(xlabel="uptraining step", ylabel="validation loss (eval batches)",
                title=f"MHA -> {kv} KV head{'s' if kv > 1 else ''}")
         ax.legend(fontsize=8)
     return fig

@@ -33,8 +33,8 @@ def quality(results: dict) -> list[str]:
         noise = max(_range(item), _range(base))
         verdict = ("within seed noise" if abs(diff) <= noise else
                    f"{'worse' if diff > 0 else 'better'} than MHA by more than the seed range")
-        out.append(f"- {name} vs mha: {diff:+.4f} nats/char (seed ranges {_range(item):.4f} and {_range(base):.4f}): "
-                   f"{verdict}.")
+        out.append(f"- {name} vs mha: {diff:+.4f} nats/char ({diff / base['val_loss_mean']:+.1%}; seed ranges "
+                   f"{_range(item):.4f} and {_range(base):.4f}): {verdict}.")
     return out
 
 
@@ -102,12 +102,12 @@ def uptraining(results: dict) -> list[str]:
         steps = next(iter(group.values()))["steps"]
         listed_before = ", ".join(f"{m} {group[m]['val_loss_before']:.3f}" for m in before)
         listed_after = ", ".join(f"{m} {group[m]['val_loss_after']:.3f}" for m in after)
-        text = (f"- MHA -> {kv} KV heads, before uptraining: {listed_before}; "
+        text = (f"- MHA -> {kv} KV head{'s' if kv > 1 else ''}, before uptraining: {listed_before}; "
                 f"after {steps} steps: {listed_after}.")
         paper = ["mean", "first", "random"]
-        text += (" The paper's order (mean-pool better than first-head better than random) "
-                 f"{'holds' if after == paper else 'does not hold'} after uptraining"
-                 f"{' and holds before it' if before == paper else ''}.")
+        text += (" The paper's order (mean-pool, then first-head, then random) "
+                 f"{'holds' if before == paper else 'does not hold'} before uptraining and "
+                 f"{'holds' if after == paper else 'does not hold'} after it.")
         if kv in scratch and "mean" in group and "first" in group:
             name, item = scratch[kv]
             gap = group["first"]["val_loss_after"] - group["mean"]["val_loss_after"]
@@ -120,7 +120,14 @@ def uptraining(results: dict) -> list[str]:
         out.append(text)
     control = results.get("uptrain_control")
     if control:
-        out.append(f"- Control: MHA itself fine-tuned the same {control['steps']} steps went "
-                   f"{control['val_loss_before']:.4f} -> {control['val_loss_after']:.4f}, so that much of any "
-                   "uptrained model's gain is extra training rather than conversion recovery.")
+        change = control["val_loss_after"] - control["val_loss_before"]
+        text = (f"- Control: MHA itself, fine-tuned the same {control['steps']} steps on the same schedule, went "
+                f"{control['val_loss_before']:.4f} -> {control['val_loss_after']:.4f} ({change:+.4f}). ")
+        if change < 0:
+            text += "That much of any uptrained model's gain is extra training rather than recovery from conversion."
+        else:
+            text += ("Extra steps alone did not lower a trained model's loss here (its loss rose while the learning "
+                     "rate re-warmed to the uptraining peak), so the uptrained models' drops are recovery from "
+                     "conversion, not extra training.")
+        out.append(text)
     return out

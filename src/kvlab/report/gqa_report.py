@@ -36,6 +36,15 @@ def ratio(results: dict, name: str, base: str) -> str:
     return f"{params[name] / params[base]:.3f}x" if name in params and base in params else "n/a"
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def stages(prov: dict) -> str:
+    parts = [f"{name} {minutes(sec)}" for name, sec in (prov.get("stage_seconds") or {}).items() if sec]
+    return f": {', '.join(parts)}" if parts else ""
+
+
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
@@ -52,8 +61,7 @@ def render(results: dict, figures: dict, discussion: str | None = None) -> str:
         "from char-rnn's GitHub and checks its sha256, so online it trains on the same bytes.", "",
         f"Wall time: **{minutes(prov['wall_seconds_all_invocations'])}** on {prov['machine']['cpu']} "
         f"({prov['machine']['cpu_count']} cores, torch {prov['versions']['torch']}, "
-        f"{prov['machine']['torch_threads']} threads); load average at start {prov['load_average_start']}, "
-        f"at the end {prov['load_average_now']} (other jobs shared the machine when above ~2).", "",
+        f"{plural(p['threads'] or prov['machine']['torch_threads'], 'thread')}){stages(prov)}.", "",
     ]
     lines += setup_section(results) + findings_section(results) + quality_section(results, figures)
     lines += memory_section(results, figures) + speed_section(results, figures) + uptrain_section(results, figures)
@@ -223,18 +231,29 @@ def caveats_section(results: dict) -> list[str]:
             "- Speed is CPU decode on a shared 2-core machine; the runs were interleaved and the median kept, but "
             "other jobs can still shift numbers by tens of percent (see the load averages above).",
             "- Decode speed was measured once per variant on the first seed's weights; weights do not change "
-            "the arithmetic, so every seed's record carries its variant's figures.", ""]
+            "the arithmetic, so every seed's record carries its variant's figures.",
+            "- Uptraining ran once per method and head count, from one MHA model (the first seed): the method "
+            "differences have no spread of their own, and the from-scratch seed range is only a proxy for it.", ""]
 
 
 def provenance_section(results: dict) -> list[str]:
     prov = results["provenance"]
     git = prov["git"]
     commit = git.get("commit") or "unknown"
-    dirty = " (with uncommitted changes under src/)" if git.get("dirty_src") else ""
+    changed = git.get("changed_files") or []
+    dirty = (f" plus uncommitted changes to {', '.join(changed)}" if changed else
+             " (with uncommitted changes under src/)" if git.get("dirty_src") else "")
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
-    return ["## Provenance", "",
-            f"- Code: commit `{commit}`{dirty}; {versions}.",
-            f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {prov['machine']['cpu_count']} cores.",
-            f"- Started {prov['started']}; this invocation {minutes(prov['wall_seconds'])}, all invocations "
-            f"{minutes(prov['wall_seconds_all_invocations'])}.",
-            "- Everything above is in `results.json` next to this file (runs, histories, every timing repeat).", ""]
+    lines = ["## Provenance", "",
+             f"- Code: commit `{commit}`{dirty}; {versions}.",
+             f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {prov['machine']['cpu_count']} "
+             "cores. Load average (1, 5, 15 min) is shown per invocation: the study itself adds about 1 (one "
+             "thread); more means other jobs shared the machine."]
+    for run in prov.get("earlier_invocations", []):
+        code = (run.get("git") or {}).get("commit") or "unknown"
+        lines.append(f"- Invocation started {run['started']}: {minutes(run['seconds'])}, code `{code[:12]}`, load "
+                     f"{run['load_average_start']} at start, {run['load_average_end']} at the end.")
+    lines += [f"- Invocation started {prov['started']} (wrote this report): {minutes(prov['wall_seconds'])}, load "
+              f"{prov['load_average_start']} at start, {prov['load_average_now']} at the end.",
+              "- Everything above is in `results.json` next to this file (runs, histories, every timing repeat).", ""]
+    return lines

@@ -57,6 +57,7 @@ class GqaStudy:
         self.variants = variants(self.preset, corpus.vocab_size)
         self.started = time.time()
         self.load_start = provenance.load_average()
+        self.git = provenance.git_info()  # the code this process imported, not what the tree holds later
 
     def log(self, message: str) -> None:
         if self.options.log is not None:
@@ -124,6 +125,12 @@ class GqaStudy:
         return model.eval()
 
     def measure_decode(self) -> dict:
+        start = time.time()
+        speed = self._measure_decode()
+        write_json(self.work / "decode_seconds.json", {"seconds": time.time() - start})
+        return speed
+
+    def _measure_decode(self) -> dict:
         seed = self.options.seeds[0]
         models = {v.name: self.load_trained(v, seed) for v in self.variants}
         self.log(f"decode: {self.preset.decode_tokens} tokens at batch {list(self.preset.decode_batches)}, "
@@ -207,15 +214,23 @@ class GqaStudy:
         invocations = read_json(self.work / "invocations.json") or []
         now = time.time() - self.started
         return {
-            "git": provenance.git_info(), "versions": provenance.versions(), "machine": provenance.machine(),
+            "git": self.git, "versions": provenance.versions(), "machine": provenance.machine(),
             "data": {"source": self.corpus.source, "sha256": self.corpus.sha256, "vocab_size": self.corpus.vocab_size,
                      "train_tokens": len(self.corpus.train), "val_tokens": len(self.corpus.val)},
             "seeds": list(self.options.seeds), "work_folder": str(self.work), "report_folder": str(self.out),
             "wall_seconds": now, "wall_seconds_all_invocations": now + sum(i["seconds"] for i in invocations),
-            "earlier_invocations": invocations, "load_average_start": self.load_start,
+            "earlier_invocations": invocations, "stage_seconds": self.stage_seconds(),
+            "load_average_start": self.load_start,
             "load_average_now": provenance.load_average(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
         }
+
+    def stage_seconds(self) -> dict:
+        """Wall seconds each stage took, from the stage results on disk (whichever invocation ran them)."""
+        runs = [read_json(p) for p in sorted((self.work / "runs").glob("*/result.json"))]
+        uptrain = [read_json(p) for p in sorted((self.work / "uptrain").glob("*/result.json"))]
+        return {"training": sum(r["wall_seconds"] for r in runs), "uptraining": sum(r["wall_seconds"] for r in uptrain),
+                "decode": (read_json(self.work / "decode_seconds.json") or {}).get("seconds")}
 
     def write_partial(self, runs, speed=None) -> None:
         write_json(self.out / "results.json", self.assemble(runs, speed))
@@ -228,7 +243,8 @@ class GqaStudy:
             write_report(results, self.out)
         invocations = read_json(self.work / "invocations.json") or []
         invocations.append({"started": results["provenance"]["started"], "seconds": time.time() - self.started,
-                            "load_average_start": self.load_start, "load_average_end": provenance.load_average()})
+                            "load_average_start": self.load_start, "load_average_end": provenance.load_average(),
+                            "git": self.git})
         write_json(self.work / "invocations.json", invocations)
         self.log(f"study gqa: wrote {self.out / 'results.json'}")
 

@@ -18,7 +18,10 @@ def repo_root() -> Optional[Path]:
 
 
 def git_info() -> dict:
-    """HEAD's commit and whether tracked files differ from it (None outside a git checkout)."""
+    """HEAD's commit and which tracked files under src/ differ from it (None outside a git checkout).
+
+    Call it when the code is imported (a study's start): files edited later do not affect a running process.
+    """
     root = repo_root()
     if root is None:
         return {"commit": None, "dirty": None}
@@ -31,8 +34,8 @@ def git_info() -> dict:
             return ""
 
     commit = git("rev-parse", "HEAD") or None
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "src"))
-    return {"commit": commit, "dirty_src": dirty}
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no", "--", "src").splitlines()]
+    return {"commit": commit, "dirty_src": bool(changed), "changed_files": changed}
 
 
 def cpu_model() -> str:
