@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
@@ -33,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvlab", description="Inference-aware model design: plan, measure, serve.")
+    parser = OneLineParser(prog="kvlab", description="Inference-aware model design: plan, chart, generate, measure, study.")
     parser.add_argument("--version", action="version", version=f"kvlab {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -61,6 +62,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as error:
         print(f"kvlab {args.command}: error: no such file: {error.filename or error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvlab ... | head` closed the pipe: not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"kvlab {args.command}: interrupted", file=sys.stderr)
         return 130

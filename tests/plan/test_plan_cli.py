@@ -133,3 +133,9 @@ def test_config_json_directory_plans_like_the_preset(tmp_path, capsys):
     from_preset = run_json(capsys, "llama-3-8b", "--gpu", "h100-sxm")
     for key in ("kv_bytes_per_token", "weight_bytes", "seats", "max_context"):
         assert from_config[key] == from_preset[key]
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    completed = subprocess.run(f"{sys.executable} -m kvlab plan --list-gpus | head -c 1", shell=True,
+                               capture_output=True, text=True)
+    assert "Traceback" not in completed.stderr and "BrokenPipe" not in completed.stderr
