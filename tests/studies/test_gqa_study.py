@@ -80,6 +80,11 @@ def test_quick_study_end_to_end_and_resume_after_a_failure(shakespeare, tmp_path
     for name in ("val_loss", "cache_bytes", "decode_speed", "uptraining"):
         assert (out / f"{name}.png").stat().st_size > 1000 and f"({name}.png)" in readme
 
+    (out / "discussion.md").write_text("Written by hand after the run.")
+    assert main(["study", "gqa", "--render-only", "--out", str(out)]) == 0
+    assert "## Discussion\n\nWritten by hand after the run." in (out / "README.md").read_text()
+    assert read_json(out / "results.json") == results  # rendering changes no result
+
 
 def test_bad_seeds_are_one_line_errors(capsys):
     assert main(["study", "gqa", "--quick", "--seeds", "0,x"]) == 2

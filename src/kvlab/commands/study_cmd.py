@@ -40,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     gqa.add_argument("--threads", type=positive_int, help="torch threads (default: the preset's; 1 for default "
                                                            "and quick, which is steadier on a shared machine)")
     gqa.add_argument("--json", action="store_true", help="print results.json to stdout instead of a table")
+    gqa.add_argument("--render-only", action="store_true",
+                     help="only redraw README.md and figures from --out's results.json (e.g. after editing "
+                          "its discussion.md); trains and measures nothing")
     gqa.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     gqa.set_defaults(run=run)
 
@@ -66,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         preset = replace(preset, threads=args.threads)
     out = Path(args.out) if args.out else (None if args.quick else Path("reports") / "gqa-study")
+    if args.render_only:
+        return render_only(out)
     command = " ".join(["kvlab", "study", "gqa"] + _flags(args))
     options = StudyOptions(preset=preset, seeds=seeds, data=args.data, out=out,
                            work=Path(args.work) if args.work else None, progress=not args.no_progress,
@@ -76,6 +81,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print_summary(results)
+    return 0
+
+
+def render_only(out) -> int:
+    from kvlab.plan.errors import PlanError
+    from kvlab.report.gqa_report import write_report
+    from kvlab.studies.store import read_json
+
+    if out is None:
+        raise PlanError("--render-only needs --out DIR (the folder holding results.json)")
+    results = read_json(out / "results.json")
+    if results is None:
+        raise PlanError(f"--render-only: no results.json in {out}")
+    print(f"wrote {write_report(results, out)}", file=sys.stderr)
     return 0
 
 

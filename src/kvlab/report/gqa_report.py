@@ -224,12 +224,13 @@ def samples_section(results: dict) -> list[str]:
 
 def caveats_section(results: dict) -> list[str]:
     return ["## What this does and does not show", "",
-            "- Small models, short training: differences between attention variants at this scale say little "
-            "about large models, where the KV cache, not the weights, dominates memory traffic.",
+            f"- Small models, short training ({results['preset']['steps']} steps; see the training curves for "
+            "whether the models were still improving): quality gaps at this scale need not carry over to large "
+            "models or longer training.",
             "- Two seeds give a range, not a confidence interval; \"within seed noise\" means the difference is "
             "no larger than the seed-to-seed range.",
             "- Speed is CPU decode on a shared 2-core machine; the runs were interleaved and the median kept, but "
-            "other jobs can still shift numbers by tens of percent (see the load averages above).",
+            "other jobs can still shift numbers by tens of percent (see the load averages under Provenance).",
             "- Decode speed was measured once per variant on the first seed's weights; weights do not change "
             "the arithmetic, so every seed's record carries its variant's figures.",
             "- Uptraining ran once per method and head count, from one MHA model (the first seed): the method "
