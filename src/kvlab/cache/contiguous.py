@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from kvlab.cache.base import KVCache, KVShape, Rope
-from kvlab.cache.codecs import RowCodec
+from kvlab.cache.base import CacheError, KVCache, KVShape, Rope
+from kvlab.cache.codecs import FloatCodec, RowCodec
 from kvlab.cache.rows import PreallocatedRows
 
 
@@ -34,6 +34,21 @@ class ContiguousCache(KVCache):
 
     def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
         return self.k_rows[layer].read(end, self.compute_dtype), self.v_rows[layer].read(end, self.compute_dtype)
+
+    def float_buffers(self, layer: int) -> Optional[tuple[Tensor, Tensor]]:
+        """Layer `layer`'s K and V storage [B, H, max_tokens, D] when rows are stored as plain
+        floats (what a fused decode step writes into), else None."""
+        k, v = self.k_rows[layer].buffers, self.v_rows[layer].buffers
+        if set(k) == set(v) == {"x"} and type(self.k_rows[layer].codec) is type(self.v_rows[layer].codec) is FloatCodec:
+            return k["x"], v["x"]
+        return None
+
+    def advance(self, tokens: int = 1) -> None:
+        """Count `tokens` more in every layer, written into `float_buffers` by a fused decode
+        step (kvlab.nn.fused_decode) rather than through `update`."""
+        if any(length + tokens > self.shape.max_tokens for length in self._lengths):
+            raise CacheError(f"the cache would hold more than its max_tokens={self.shape.max_tokens}")
+        self._lengths = [length + tokens for length in self._lengths]
 
     def tensors(self) -> Iterator[Tensor]:
         return chain.from_iterable(rows.tensors() for rows in self.k_rows + self.v_rows)

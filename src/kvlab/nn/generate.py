@@ -3,7 +3,9 @@
 The decode loop is deliberately small (gpt-fast's shape): the cache is allocated once for
 prompt + new tokens, each step feeds one token per sequence and asks only for the last
 position's logits, and nothing else happens in Python between steps but sampling and the
-streaming callback.
+streaming callback. Where the model and cache allow it (a Llama-family model on GGUF blocks,
+an fp32 contiguous cache) each decode step is one C call (kvlab.nn.fused_decode); `fused=False`
+keeps the module-by-module path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from kvlab.nn.fused_decode import fused_step_for
 from kvlab.nn.model import Decoder
 
 TokenCallback = Callable[[torch.Tensor], None]
@@ -43,6 +46,7 @@ def generate(
     stop_ids: Iterable[int] = (),
     on_token: Optional[TokenCallback] = None,
     stats: Optional[dict] = None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Continue `prompt` (ids, or [B,T] for a batch) by up to `max_new_tokens`; returns [B, new].
 
@@ -61,11 +65,13 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool)
     out = []
     start = time.perf_counter()
-    logits = model(tokens, cache, last_only=True)
+    logits = model(tokens, cache, last_only=True)[:, -1]
     prefill_end = time.perf_counter()
+    fused_step = fused_step_for(model, cache) if fused else None
+    decode = fused_step or (lambda ids: model(ids[:, None], cache, last_only=True)[:, -1])
     steps = 0
     for step in range(max_new_tokens):
-        next_ids = sample(logits[:, -1], temperature, top_k, generator)
+        next_ids = sample(logits, temperature, top_k, generator)
         out.append(next_ids)
         if on_token is not None:
             on_token(next_ids)
@@ -74,8 +80,9 @@ def generate(
             if bool(finished.all()):
                 break
         if step + 1 < max_new_tokens:
-            logits = model(next_ids[:, None], cache, last_only=True)
+            logits = decode(next_ids)
             steps += 1
     if stats is not None:
-        stats.update(prefill_s=prefill_end - start, decode_s=time.perf_counter() - prefill_end, decode_steps=steps)
+        stats.update(prefill_s=prefill_end - start, decode_s=time.perf_counter() - prefill_end, decode_steps=steps,
+                     fused_decode=fused_step is not None)
     return torch.stack(out, dim=1) if out else tokens.new_zeros((batch, 0))

@@ -9,7 +9,7 @@ SmolLM2's 30 layers take about 10 ms against 28 ms as fp32 matrices (16 ms with 
 int4 kernel), and the Q8_0 LM head 2 ms against 8.6 ms. The int8 activations cost about
 0.5% relative error per product, as in llama.cpp.
 
-The C file is compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
+The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
 loaded with ctypes (no torch headers, so it builds in about a second). Where that cannot
 happen (no compiler, no AVX2), `kernels()` is None and loaders fall back to other layers.
 """
@@ -33,7 +33,8 @@ from torch.nn import functional as F
 QK = 32
 PREFILL_ROWS = 16  # from this many activation rows on, dequantise and use a float GEMM
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-SOURCE = Path(__file__).with_name("csrc") / "ggml_gemv.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "ggml_gemv.c", CSRC / "llama_decode.c")  # built into one library
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 
@@ -43,8 +44,8 @@ def kernels() -> Optional[ctypes.CDLL]:
     if os.environ.get("KVLAB_NO_KERNELS") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = SOURCE.read_bytes()
-    library = CACHE_DIR / f"ggml_gemv-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, CSRC / "ggml_gemv.h")))
+    library = CACHE_DIR / f"ggml_gemv-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
         if compiler is None:
             return None
@@ -53,7 +54,7 @@ def kernels() -> Optional[ctypes.CDLL]:
             with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
                 built = Path(tmp) / library.name
                 subprocess.run([compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
-                                str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+                                *map(str, SOURCES), "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(built, library)  # atomic: parallel builders never load a half-written file
         except (OSError, subprocess.SubprocessError):
             return None
@@ -61,6 +62,10 @@ def kernels() -> Optional[ctypes.CDLL]:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.ggml_linear.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, ptr, ptr]
     lib.ggml_linear.restype = i32
+    lib.ggml_dequantize.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr]
+    lib.ggml_dequantize.restype = None
+    lib.llama_decode_step.argtypes = [ptr, i32, ptr, ptr]
+    lib.llama_decode_step.restype = i32
     return lib
 
 
@@ -105,6 +110,14 @@ class GGMLLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dense fp32 [out, in] weights the blocks encode, exactly."""
+        dense = torch.empty(self.out_features, self.in_features)
+        offsets = self.offsets.data_ptr() if self.offsets is not None else None
+        kernels().ggml_dequantize(self._kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets,
+                                  self.out_features, self.in_features, dense.data_ptr())
+        return dense
+
+    def _weight_reference(self) -> torch.Tensor:
+        """`weight` in torch operations (what the tests hold the C dequantiser to)."""
         if self.kind == "q8_0":
             codes = self.codes.view(self.out_features, -1, QK).float()
             return (codes * self.scales[..., None]).reshape(self.out_features, -1)

@@ -13,10 +13,9 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-#define QK 32
+#include "ggml_gemv.h"
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -25,104 +24,133 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x[k] -> qx (int8), dx (scale per block), sx (dx * sum of the block's codes). */
-static void quantize_q8(const float *x, size_t k, int8_t *qx, float *dx, float *sx) {
+/* x[k] -> qx (int16 codes, 32 per block), dx (scale per block), sx (the block's exact sum). */
+void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {
     for (size_t b = 0; b < k / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int q = (int)lrintf(xb[j] * inv);
-            qx[b * QK + j] = (int8_t)q;
-            sum += q;
-        }
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j])), sum += xb[j];
+        float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        for (int j = 0; j < QK; j++) qx[b * QK + j] = (int16_t)lrintf(xb[j] * inv);
         dx[b] = d;
-        sx[b] = d * (float)sum;
+        sx[b] = sum;
     }
 }
 
-static inline __m256i q4_codes(const uint8_t *c) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)c);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+/* One block's integer dot product, as 8 int32 partial sums: 32 weight codes (widened to
+ * int16) times 32 int16 activations, each product pair summed by madd. */
+static inline __m256i q4_dot(const uint8_t *c, const int16_t *q) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)c), low4 = _mm_set1_epi8(0x0F);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+static inline __m256i q8_dot(const int8_t *c, const int16_t *q) {
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-/* y[r, n] = sum_k w[n, k] x[r, k]; two accumulators break the fmadd latency chain. */
-static void q4_1_gemm(const uint8_t *codes, const float *d, const float *m, int n, int k, int rows,
-                      const int8_t *qx, const float *dx, const float *sx, float *y) {
-    const int nb = k / QK;
-#pragma omp parallel for schedule(static) if (n >= 256)
-    for (int o = 0; o < n; o++) {
-        const uint8_t *c = codes + (size_t)o * nb * 16;
-        const float *dr = d + (size_t)o * nb, *mr = m + (size_t)o * nb;
-        for (int r = 0; r < rows; r++) {
-            const int8_t *q = qx + (size_t)r * k;
-            const float *d8 = dx + (size_t)r * nb, *s8 = sx + (size_t)r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            float offsets = 0.0f;
-            int b = 0;
-            for (; b + 1 < nb; b += 2) {
-                __m256i p0 = dot_u8s8(q4_codes(c + b * 16), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
-                __m256i p1 = dot_u8s8(q4_codes(c + (b + 1) * 16), _mm256_loadu_si256((const __m256i *)(q + (b + 1) * QK)));
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * d8[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
-            }
-            for (; b < nb; b++) {
-                __m256i p0 = dot_u8s8(q4_codes(c + b * 16), _mm256_loadu_si256((const __m256i *)(q + b * QK)));
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
-            }
-            for (b = 0; b < nb; b++) offsets += mr[b] * s8[b];  /* vectorised by the compiler */
-            y[(size_t)r * n + o] = hsum(_mm256_add_ps(acc0, acc1)) + offsets;
+/* One output row o of a Q4_1 matrix against every activation row; two accumulators break
+ * the fmadd latency chain. */
+static void q4_1_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
+                     float *y, int accumulate) {
+    const int n = w->n, k = w->k, nb = k / QK;
+    const uint8_t *c = (const uint8_t *)w->codes + (size_t)o * nb * 16;
+    const float *dr = w->d + (size_t)o * nb, *mr = w->m + (size_t)o * nb;
+    for (int r = 0; r < rows; r++) {
+        const int16_t *q = qx + (size_t)r * k;
+        const float *d8 = dx + (size_t)r * nb, *s8 = sx + (size_t)r * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float offsets = 0.0f;
+        int b = 0;
+        for (; b + 1 < nb; b += 2) {
+            __m256i p0 = q4_dot(c + b * 16, q + b * QK), p1 = q4_dot(c + (b + 1) * 16, q + (b + 1) * QK);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * d8[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
         }
+        for (; b < nb; b++) {
+            __m256i p0 = q4_dot(c + b * 16, q + b * QK);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
+        }
+        for (b = 0; b < nb; b++) offsets += mr[b] * s8[b];  /* vectorised by the compiler */
+        float sum = hsum(_mm256_add_ps(acc0, acc1)) + offsets;
+        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
     }
 }
 
-static void q8_0_gemm(const int8_t *codes, const float *d, int n, int k, int rows, const int8_t *qx,
-                      const float *dx, float *y) {
-    const int nb = k / QK;
-#pragma omp parallel for schedule(static) if (n >= 256)
-    for (int o = 0; o < n; o++) {
-        const int8_t *c = codes + (size_t)o * k;
-        const float *dr = d + (size_t)o * nb;
-        for (int r = 0; r < rows; r++) {
-            const int8_t *q = qx + (size_t)r * k;
-            const float *d8 = dx + (size_t)r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(c + b * QK));
-                __m256i a = _mm256_loadu_si256((const __m256i *)(q + b * QK));
-                /* signed x signed as |w| (unsigned) x (a carrying w's sign) */
-                __m256i p = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-                if (b & 1)
-                    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc1);
-                else
-                    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc0);
-            }
-            y[(size_t)r * n + o] = hsum(_mm256_add_ps(acc0, acc1));
+static void q8_0_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, float *y,
+                     int accumulate) {
+    const int n = w->n, k = w->k, nb = k / QK;
+    const int8_t *c = (const int8_t *)w->codes + (size_t)o * k;
+    const float *dr = w->d + (size_t)o * nb;
+    for (int r = 0; r < rows; r++) {
+        const int16_t *q = qx + (size_t)r * k;
+        const float *d8 = dx + (size_t)r * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m256i p = q8_dot(c + b * QK, q + b * QK);
+            if (b & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc0);
         }
+        float sum = hsum(_mm256_add_ps(acc0, acc1));
+        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
+    }
+}
+
+void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
+                  int accumulate) {
+#pragma omp for schedule(static)
+    for (int o = 0; o < w->n; o++) {
+        if (w->kind == 0)
+            q4_1_row(w, o, rows, qx, dx, sx, y, accumulate);
+        else
+            q8_0_row(w, o, rows, qx, dx, y, accumulate);
     }
 }
 
 /* y[rows, n] = x[rows, k] W^T for W in `kind` (0: Q4_1, 1: Q8_0): quantise x, then multiply. */
 int ggml_linear(int kind, const void *codes, const float *d, const float *m, int n, int k, int rows,
                 const float *x, float *y) {
+    const qmatrix w = {kind, n, k, codes, d, m};
     const size_t blocks = (size_t)rows * (k / QK);
-    int8_t *qx = malloc((size_t)rows * k);
+    int16_t *qx = malloc((size_t)rows * k * sizeof(int16_t));
     float *dx = malloc(blocks * sizeof(float)), *sx = malloc(blocks * sizeof(float));
     if (!qx || !dx || !sx) {
         free(qx), free(dx), free(sx);
         return -1;
     }
-    quantize_q8(x, (size_t)rows * k, qx, dx, sx);
-    if (kind == 0)
-        q4_1_gemm(codes, d, m, n, k, rows, qx, dx, sx, y);
-    else
-        q8_0_gemm(codes, d, n, k, rows, qx, dx, y);
+    quantize_act(x, (size_t)rows * k, qx, dx, sx);
+#pragma omp parallel if (n >= 256)
+    qmatrix_gemm(&w, rows, qx, dx, sx, y, 0);
     free(qx), free(dx), free(sx);
     return 0;
+}
+
+/* out[n, k] = the weights W encodes, in fp32: what a prompt's matrix-matrix products use. */
+void ggml_dequantize(int kind, const void *codes, const float *d, const float *m, int n, int k, float *out) {
+    const int nb = k / QK;
+#pragma omp parallel for schedule(static) if ((size_t)n * k >= 65536)
+    for (int o = 0; o < n; o++) {
+        for (int b = 0; b < nb; b++) {
+            float *w = out + (size_t)o * k + b * QK;
+            const float scale = d[(size_t)o * nb + b];
+            if (kind == 0) {
+                const uint8_t *c = (const uint8_t *)codes + ((size_t)o * nb + b) * 16;
+                const float offset = m[(size_t)o * nb + b];
+                for (int j = 0; j < 16; j++) {
+                    w[j] = (float)(c[j] & 0x0F) * scale + offset;
+                    w[j + 16] = (float)(c[j] >> 4) * scale + offset;
+                }
+            } else {
+                const int8_t *c = (const int8_t *)codes + ((size_t)o * nb + b) * QK;
+                for (int j = 0; j < QK; j++) w[j] = (float)c[j] * scale;
+            }
+        }
+    }
 }

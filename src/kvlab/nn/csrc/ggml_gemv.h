@@ -1,0 +1,28 @@
+/* The GGML block kernels shared by the per-layer entry point (ggml_gemv.c) and the fused
+ * Llama decode step (llama_decode.c). */
+#ifndef KVLAB_GGML_GEMV_H
+#define KVLAB_GGML_GEMV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define QK 32
+
+/* One matrix W [n, k] as the file's blocks split into planes (see ggml_gemv.c). */
+typedef struct {
+    int kind; /* 0: Q4_1, 1: Q8_0 */
+    int n, k;
+    const void *codes;
+    const float *d, *m; /* m: Q4_1 offsets, NULL for Q8_0 */
+} qmatrix;
+
+/* x[k] -> int8 codes, a scale per 32-block and the scale times the block's code sum. */
+void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
+
+/* y[r, o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act.
+ * Output rows are shared out with an orphaned `omp for`: called inside a parallel region the
+ * threads split the work (and meet at its end), called outside it runs on one thread. */
+void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
+                  int accumulate);
+
+#endif

@@ -1,0 +1,117 @@
+"""A whole decode step in one C call, for Llama-family models held as GGUF Q4_1/Q8_0 blocks.
+
+On SmolLM2-135M a decode step is 121 matrix-vector products of a few hundred microseconds'
+worth of arithmetic each; driven module by module from Python the calls, allocations and
+thread start-ups around them cost more than the products. `FusedDecodeStep` hands the
+model's weights, the cache's buffers and the RoPE tables to csrc/llama_decode.c once, and each
+step is then one call. It computes what `Decoder.forward` computes with GGMLLinear layers
+(same int8 activations, same fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
+kvlab.cache ContiguousCache the model would have used, and advances its length, so the
+module path can take over at any step. `fused_step_for` says why not when it cannot apply.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+from torch import nn
+
+from kvlab.cache.contiguous import ContiguousCache
+from kvlab.nn.ggml import GGMLLinear, kernels
+from kvlab.nn.mlp import SwiGLU
+from kvlab.nn.model import Decoder
+from kvlab.nn.norms import RMSNorm
+from kvlab.nn.rope import INTERLEAVED
+
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class QMatrix(ctypes.Structure):
+    _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
+
+
+class LlamaLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QMatrix), ("o", QMatrix),
+                ("gate_up", QMatrix), ("down", QMatrix), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class LlamaModel(ctypes.Structure):
+    _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
+                ("hidden", _int), ("vocab", _int), ("batch", _int), ("capacity", _int),
+                ("rope_interleaved", _int), ("eps", _float), ("rope_cos", _ptr), ("rope_sin", _ptr),
+                ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr), ("lm_head", QMatrix)]
+
+
+def _qmatrix(layer: nn.Module) -> QMatrix:
+    offsets = layer.offsets.data_ptr() if layer.offsets is not None else None
+    return QMatrix(layer._kind_id, layer.out_features, layer.in_features, layer.codes.data_ptr(),
+                   layer.scales.data_ptr(), offsets)
+
+
+def why_not_fused(model: Decoder, cache) -> Optional[str]:
+    """None when `FusedDecodeStep` can run `model` on `cache`, else the reason it cannot."""
+    config = model.config
+    if kernels() is None:
+        return "the GGML kernels are unavailable on this machine"
+    if config.attention != "gqa" or config.mlp != "swiglu" or config.norm != "rmsnorm" or config.bias:
+        return "only bias-free Llama-family models (RMSNorm, SwiGLU, grouped-query attention) are fused"
+    if model.dtype != torch.float32:
+        return "the fused step computes in fp32"
+    linears = [model.lm_head] + [m for block in model.blocks for m in (block.attn.qkv, block.attn.o,
+                                                                          block.mlp.gate_up, block.mlp.down)]
+    if not all(isinstance(layer, GGMLLinear) for layer in linears):
+        return "every matrix must be held as GGUF Q4_1/Q8_0 blocks (load with weights='gguf')"
+    if not all(isinstance(norm, RMSNorm) for block in model.blocks for norm in (block.attn_norm, block.mlp_norm)):
+        return "norms must be RMSNorm"
+    if not isinstance(cache, ContiguousCache) or cache.pre_rope or cache.float_buffers(0) is None \
+            or cache.float_buffers(0)[0].dtype != torch.float32:
+        return "the cache must be a contiguous fp32 cache (kv_cache_dtype auto/fp32) without pre-RoPE keys"
+    if len(set(cache.seq_len(layer) for layer in range(config.n_layers))) != 1:
+        return "every layer of the cache must hold the same number of tokens"
+    return None
+
+
+class FusedDecodeStep:
+    """`step(ids [B])` -> logits [B, vocab] for the token after those already in `cache`."""
+
+    def __init__(self, model: Decoder, cache: ContiguousCache):
+        reason = why_not_fused(model, cache)
+        if reason is not None:
+            raise ValueError(f"cannot fuse the decode step: {reason}")
+        config, self.model, self.cache = model.config, model, cache
+        layers = []
+        for index, block in enumerate(model.blocks):
+            assert isinstance(block.mlp, SwiGLU)
+            k, v = cache.float_buffers(index)
+            layers.append(LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
+                                     _qmatrix(block.attn.qkv), _qmatrix(block.attn.o), _qmatrix(block.mlp.gate_up),
+                                     _qmatrix(block.mlp.down), k.data_ptr(), v.data_ptr()))
+        self._layers = (LlamaLayer * len(layers))(*layers)
+        rope = model.rope
+        self._struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
+                                  config.ffn_size, config.vocab_size, cache.shape.batch, cache.shape.max_tokens,
+                                  int(rope.style == INTERLEAVED), config.norm_eps, rope.cos.data_ptr(),
+                                  rope.sin.data_ptr(), self._layers, model.norm.weight.data_ptr(),
+                                  _qmatrix(model.lm_head))
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        position = self.cache.seq_len(0)
+        if position >= self.model.rope.max_seq_len:
+            raise ValueError(f"position {position} is beyond the model's {self.model.rope.max_seq_len}-token context")
+        x = self.model.embed(ids.reshape(self.cache.shape.batch)).float().contiguous()
+        logits = torch.empty(self.cache.shape.batch, self.model.config.vocab_size)
+        status = kernels().llama_decode_step(ctypes.byref(self._struct), position, x.data_ptr(), logits.data_ptr())
+        if status == -2:
+            raise ValueError(f"position {position} is beyond the cache's {self.cache.shape.max_tokens} tokens")
+        if status:
+            raise MemoryError("the fused decode step could not allocate its scratch buffers")
+        self.cache.advance(1)
+        return logits
+
+
+def fused_step_for(model: Decoder, cache) -> Optional[FusedDecodeStep]:
+    """The fused step for `model` on `cache`, or None where `why_not_fused` names a reason."""
+    return FusedDecodeStep(model, cache) if why_not_fused(model, cache) is None else None
