@@ -34,12 +34,12 @@ def q8_0_rows(out_features: int, in_features: int, rng: np.random.Generator):
 def test_weights_decode_exactly_and_products_match(kind, make):
     raw, dense = make(96, 160, np.random.default_rng(0))
     layer = GGMLLinear(raw, kind, 160)
-    assert torch.equal(layer.weight, dense)
+    assert torch.equal(layer.weight, dense)  # the C dequantiser, exactly
     for rows in (1, 3, PREFILL_ROWS):  # the integer decode path and the prefill GEMM path
         x = torch.randn(rows, 160)
         expected = x @ dense.t()
         error = (layer(x) - expected).norm() / expected.norm()
-        assert error < (1e-5 if rows >= PREFILL_ROWS else 0.02)  # int8 activations: about 0.5% here
+        assert error < (1e-5 if rows >= PREFILL_ROWS else 2e-4)  # int16 activations: 2e-5 to 6e-5 here
 
 
 def test_shape_and_dtype_follow_the_input():

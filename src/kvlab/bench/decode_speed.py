@@ -6,10 +6,12 @@ Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers with `gguf
 take the same 32-token prompt and produce exactly `--new-tokens` tokens greedily; each
 timing covers prefill and decode, as a user waiting for the text sees them. The result is the
 median of `--repeats` runs after one warm-up, the engines taking turns so that load from
-other processes on a shared machine falls on all of them alike. kvlab computes on the file's Q4_1/Q8_0 blocks
-(`--kvlab-weights gguf`, the default), on PyTorch's int4 kernel (`int4`) or on dequantised
-fp32 matrices (`dense`). transformers runs
-in fp32 (what it loads by default) and bf16; the ratio is taken against the faster of the two.
+other processes on a shared machine falls on all of them alike. kvlab computes on the file's
+Q4_1/Q8_0 blocks (`--kvlab-weights gguf`, the default), on PyTorch's int4 kernel (`int4`) or
+on dequantised fp32 matrices (`dense`), and runs twice: with its decode steps fused into one C
+call each where the model allows (kvlab.nn.fused_decode), and module by module. transformers
+runs in fp32 (what it loads by default) and bf16; the ratio is the first kvlab run's against
+the faster of the two.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import torch
 from kvlab.bench.provenance import provenance
 from kvlab.checkpoints.resolve import load_model, resolve_model_path
 from kvlab.nn.generate import generate
+from kvlab.train.progress import progress_bar
 
 PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening, counting each step, and at the "
           "top he lit the lamp that")
 
 
-def kvlab_engine(loaded, prompt: list[int], new_tokens: int) -> Callable[[], list[int]]:
-    return lambda: generate(loaded.model, prompt, new_tokens)[0].tolist()
+def kvlab_engine(loaded, prompt: list[int], new_tokens: int, fused: bool) -> Callable[[], list[int]]:
+    return lambda: generate(loaded.model, prompt, new_tokens, fused=fused)[0].tolist()
 
 
 def transformers_engine(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype) -> Callable[[], list[int]]:
@@ -53,12 +56,18 @@ def transformers_engine(path: str, prompt: list[int], new_tokens: int, dtype: to
 
 def race(engines: dict[str, Callable[[], list[int]]], repeats: int) -> dict[str, dict]:
     """Warm each engine up, then time them in turns, so load from other processes hits all alike."""
-    results = {name: {"engine": name, "seconds": [], "ids": run()} for name, run in engines.items()}
+    bar = progress_bar(len(engines) * (repeats + 1), "decode runs", unit="run")
+    results = {}
+    for name, run in engines.items():
+        results[name] = {"engine": name, "seconds": [], "ids": run()}
+        bar.update()
     for _ in range(repeats):
         for name, run in engines.items():
             start = time.perf_counter()
             run()
             results[name]["seconds"].append(time.perf_counter() - start)
+            bar.update()
+    bar.close()
     return results
 
 
@@ -77,7 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model)
     loaded = load_model(args.model, torch.float32, args.kvlab_weights)
     prompt = loaded.tokenizer.encode(PROMPT)[:32]
-    engines = {f"kvlab ({args.kvlab_weights} weights, fp32 activations)": kvlab_engine(loaded, prompt, args.new_tokens)}
+    stats: dict = {}
+    generate(loaded.model, prompt, 2, stats=stats)
+    weights = f"{args.kvlab_weights} weights"
+    engines = {f"kvlab ({weights}, {'fused decode step' if stats['fused_decode'] else 'module path'})":
+               kvlab_engine(loaded, prompt, args.new_tokens, fused=True)}
+    if stats["fused_decode"]:
+        engines[f"kvlab ({weights}, module path)"] = kvlab_engine(loaded, prompt, args.new_tokens, fused=False)
     if not args.skip_transformers:
         for dtype in (torch.float32, torch.bfloat16):
             name = f"transformers generate ({str(dtype).removeprefix('torch.')})"
@@ -91,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "decode_speed", "model": args.model, "prompt_tokens": len(prompt),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "statistic": "median of the repeats",
               "runs": runs, "provenance": provenance(args.threads)}
-    if len(runs) > 1:
-        ours, best = runs[0], max(runs[1:], key=lambda run: run["tokens_per_s"])
+    theirs = [run for run in runs if run["engine"].startswith("transformers")]
+    if theirs:
+        ours, best, fp32 = runs[0], max(theirs, key=lambda run: run["tokens_per_s"]), theirs[0]
         result["ratio_vs_best_transformers"] = ours["tokens_per_s"] / best["tokens_per_s"]
-        result["ratio_vs_transformers_fp32"] = ours["tokens_per_s"] / runs[1]["tokens_per_s"]
+        result["ratio_vs_transformers_fp32"] = ours["tokens_per_s"] / fp32["tokens_per_s"]
         result["greedy_prefix_matching_transformers_fp32"] = next(
-            (i for i, (a, b) in enumerate(zip(ours["ids"], runs[1]["ids"])) if a != b), args.new_tokens)
+            (i for i, (a, b) in enumerate(zip(ours["ids"], fp32["ids"])) if a != b), args.new_tokens)
         print(f"kvlab / transformers: {result['ratio_vs_best_transformers']:.2f}x the faster transformers run "
               f"({best['engine']}); {result['ratio_vs_transformers_fp32']:.2f}x transformers fp32")
     if args.json:

@@ -18,11 +18,11 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
-    parser.add_argument("--weights", default="dense", choices=("dense", "auto", "gguf", "int4"),
-                        help="dense (default): dequantise, the same arithmetic as transformers; gguf: compute on a "
-                             "GGUF's Q4_1/Q8_0 blocks with int8 activations as llama.cpp does (about 2x faster "
-                             "here, and can flip near-tied tokens); int4: PyTorch's int4 kernel; auto: gguf where "
-                             "the kernels build, else int4 (dense with --kv-heads)")
+    parser.add_argument("--weights", default="auto", choices=("auto", "gguf", "dense", "int4"),
+                        help="gguf: compute on a GGUF's Q4_1/Q8_0 blocks (int16 activations; with an fp32 cache "
+                             "each decode step is one C call); dense: dequantise to fp32, transformers' "
+                             "arithmetic; int4: PyTorch's int4 kernel (bf16 activations); auto (default): gguf "
+                             "where its C kernels build, else dense, and dense with --kv-heads")
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
 
@@ -40,7 +40,7 @@ def load_from_args(args: argparse.Namespace):
     packing = args.weights
     if packing == "auto":
         from kvlab.nn.ggml import kernels
-        packing = "dense" if args.kv_heads else "gguf" if kernels() is not None else "int4"
+        packing = "gguf" if kernels() is not None and not args.kv_heads else "dense"
     loaded = load_model(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads

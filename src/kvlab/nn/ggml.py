@@ -1,13 +1,17 @@
 """Linear layers that compute straight on a GGUF file's Q4_1 / Q8_0 blocks, as llama.cpp does.
 
 The weights keep the file's values (Q4_1: 4-bit codes plus a scale and an offset per 32
-weights; Q8_0: 8-bit codes plus a scale), and each call
-quantises the activations to int8 per 32-element block, so every block's dot product is an
-integer one (csrc/ggml_gemv.c, AVX2). A batch-1 decode step then streams about a fifth of
-the fp32 bytes and does cheap integer work on them: on one core of this project's CPU,
-SmolLM2's 30 layers take about 10 ms against 28 ms as fp32 matrices (16 ms with PyTorch's
-int4 kernel), and the Q8_0 LM head 2 ms against 8.6 ms. The int8 activations cost about
-0.5% relative error per product, as in llama.cpp.
+weights; Q8_0: 8-bit codes plus a scale), and each call quantises the activations to int16
+per 32-element block, so every block's dot product is an integer one (csrc/ggml_gemv.c,
+AVX2 madd). llama.cpp quantises activations to int8 instead, 12-14% faster here
+but costs about 0.5% relative error per product: enough to flip near-tied tokens of SmolLM2
+(its answer to "What is the capital of France?" began "L'Étoile..." with int8 activations).
+With int16 the error is about 5e-5 and SmolLM2's greedy tokens are the dense model's.
+
+A batch-1 decode step streams about a fifth of the fp32 bytes: on one core of this
+project's CPU SmolLM2's 121 products take about 12.7 ms in all against about 37 ms as fp32
+matrices. Prompts (PREFILL_ROWS rows or more) dequantise each matrix in C and use PyTorch's
+float GEMM. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
 loaded with ctypes (no torch headers, so it builds in about a second). Where that cannot
@@ -115,15 +119,6 @@ class GGMLLinear(nn.Module):
         kernels().ggml_dequantize(self._kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets,
                                   self.out_features, self.in_features, dense.data_ptr())
         return dense
-
-    def _weight_reference(self) -> torch.Tensor:
-        """`weight` in torch operations (what the tests hold the C dequantiser to)."""
-        if self.kind == "q8_0":
-            codes = self.codes.view(self.out_features, -1, QK).float()
-            return (codes * self.scales[..., None]).reshape(self.out_features, -1)
-        packed = self.codes.view(self.out_features, -1, QK // 2)
-        codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()
-        return (codes * self.scales[..., None] + self.offsets[..., None]).reshape(self.out_features, -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"

@@ -1,8 +1,9 @@
 /* Matrix-vector products on llama.cpp's Q4_1 and Q8_0 weights (AVX2 + FMA).
  *
- * Activations are quantised per 32-element block to int8 with one float scale (llama.cpp's
- * Q8 activations), so each block's dot product is integer: 32 multiply-adds in a handful of
- * instructions (maddubs), then one float multiply-add by the two blocks' scales.
+ * Activations are quantised per 32-element block to int16 with one float scale, so each
+ * block's dot product is integer: 32 multiply-adds in two madd instructions on the codes
+ * widened to int16, then one float multiply-add by the two blocks' scales. (llama.cpp uses
+ * int8 activations and maddubs: a little faster, 250 times coarser.)
  *
  * Weights are the file's blocks split into planes, so the inner loop does no fp16 work:
  *   Q4_1: codes [n, k/2] (per block 16 bytes: low nibbles = weights 0..15, high = 16..31),

@@ -16,7 +16,7 @@ typedef struct {
     const float *d, *m; /* m: Q4_1 offsets, NULL for Q8_0 */
 } qmatrix;
 
-/* x[k] -> int8 codes, a scale per 32-block and the scale times the block's code sum. */
+/* x[k] -> int16 codes, a scale per 32-value block and each block's exact sum. */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
 
 /* y[r, o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act.

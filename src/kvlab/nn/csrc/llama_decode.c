@@ -7,7 +7,7 @@
  * each product's output rows and meet at a barrier, as llama.cpp's graph executor does.
  *
  * The arithmetic is the module path's (kvlab.nn.model.Decoder with GGMLLinear layers):
- * activations are quantised to int8 per 32 values before each product, norms, RoPE,
+ * activations are quantised to int16 per 32 values before each product, norms, RoPE,
  * softmax and SwiGLU run in fp32. K/V are written into the caller's fp32 cache buffers
  * [batch, kv_heads, capacity, head_dim], so the cache stays kvlab.cache's and the Python
  * path can carry on from any step.

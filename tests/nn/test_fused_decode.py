@@ -1,0 +1,133 @@
+"""The fused decode step (one C call per token) against the module-by-module path it replaces."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.fused_decode import FusedDecodeStep, fused_step_for, why_not_fused
+from kvlab.nn.generate import generate
+from kvlab.nn.ggml import GGMLLinear, kernels
+from kvlab.nn.model import Decoder
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler or no AVX2 here")
+
+GQA = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64,
+                  tie_embeddings=True, name="gqa")
+CONFIGS = [GQA, GQA.with_kv_heads(1), GQA.with_kv_heads(4),
+           ModelConfig(**{**GQA.to_dict(), "rope_style": "interleaved", "n_layers": 3, "name": "interleaved"})]
+
+
+def blocks_of(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` [out, in] quantised to GGUF rows of Q4_1 (w = q d + m) or Q8_0 (w = q d) blocks."""
+    w = weight.detach().numpy().reshape(weight.shape[0], -1, 32).astype(np.float32)
+    if kind == "q8_0":
+        d = (np.abs(w).max(-1, keepdims=True) / 127).astype(np.float16)
+        q = np.round(w / np.maximum(d.astype(np.float32), 1e-8)).astype(np.int8)
+        raw = np.concatenate((d.view(np.uint8), q.view(np.uint8)), axis=-1)
+    else:
+        low, high = w.min(-1, keepdims=True), w.max(-1, keepdims=True)
+        d, m = ((high - low) / 15).astype(np.float16), low.astype(np.float16)
+        q = np.clip(np.round((w - m.astype(np.float32)) / np.maximum(d.astype(np.float32), 1e-8)), 0, 15)
+        q = q.astype(np.uint8)
+        raw = np.concatenate((d.view(np.uint8), m.view(np.uint8), q[..., :16] | (q[..., 16:] << 4)), axis=-1)
+    return torch.from_numpy(raw.reshape(weight.shape[0], -1).copy())
+
+
+def assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float summation order (norms, softmax) and the int16 activation codes it tips.
+
+    On these models scaling the embeddings by 1 + 1e-7 moves the module path's own logits by
+    up to 1.2e-4 of their largest: the tolerance is 1e-3 of it, while a wrong RoPE pair, head
+    mapping or cache slot moves them by tenths.
+    """
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-3 * expected.abs().max().item())
+
+
+def ggml_model(config: ModelConfig, seed: int = 0) -> Decoder:
+    """A random decoder whose matrices are GGMLLinear blocks, Q4_1 and Q8_0 taking turns."""
+    torch.manual_seed(seed)
+    model = Decoder(config).eval()
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.3)  # peaked logits: greedy ties are impossible
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for index, name in enumerate(names):
+        linear = model.get_submodule(name)
+        kind = "q8_0" if index % 2 else "q4_1"
+        model.set_submodule(name, GGMLLinear(blocks_of(linear.weight, kind), kind, linear.in_features))
+    return model
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_steps_equal_module_steps(config, batch):
+    model = ggml_model(config)
+    prompt = torch.randint(0, config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(1))
+    reference, cache = model.new_cache(batch, 30), model.new_cache(batch, 30)
+    with torch.inference_mode():
+        ids = model(prompt, reference, last_only=True)[:, -1].argmax(-1)
+        model(prompt, cache, last_only=True)
+        step = FusedDecodeStep(model, cache)
+        for _ in range(20):
+            expected = model(ids[:, None], reference, last_only=True)[:, -1]
+            got = step(ids)
+            assert_close_to_scale(got, expected)
+            ids = expected.argmax(-1)
+    assert cache.seq_len(0) == reference.seq_len(config.n_layers - 1) == 25
+    for layer in range(config.n_layers):
+        for ours, theirs in zip(cache.float_buffers(layer), reference.float_buffers(layer)):
+            assert_close_to_scale(ours, theirs)  # the keys and values written, to the same tolerance
+
+
+def test_generate_uses_the_fused_step_and_agrees_with_the_module_path():
+    model = ggml_model(GQA)
+    prompts = torch.tensor([[1, 2, 3], [9, 8, 7]])
+    stats_fused, stats_modules = {}, {}
+    fused = generate(model, prompts, 24, stats=stats_fused)
+    modules = generate(model, prompts, 24, stats=stats_modules, fused=False)
+    assert stats_fused["fused_decode"] and not stats_modules["fused_decode"]
+    assert torch.equal(fused, modules)
+
+
+def test_the_module_path_carries_on_from_fused_steps():
+    model = ggml_model(GQA)
+    prompt = torch.tensor([[4, 5, 6]])
+    mixed, reference = model.new_cache(1, 12), model.new_cache(1, 12)
+    with torch.inference_mode():
+        ids = model(prompt, mixed, last_only=True)[:, -1].argmax(-1)
+        model(prompt, reference, last_only=True)
+        step = FusedDecodeStep(model, mixed)
+        for index in range(8):
+            expected = model(ids[:, None], reference, last_only=True)[:, -1]
+            got = step(ids) if index % 2 else model(ids[:, None], mixed, last_only=True)[:, -1]
+            assert_close_to_scale(got, expected)
+            ids = expected.argmax(-1)
+
+
+def test_a_full_cache_is_refused_not_overrun():
+    model = ggml_model(GQA)
+    cache = model.new_cache(1, 4)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), cache)
+        step = FusedDecodeStep(model, cache)
+        step(torch.tensor([4]))
+        with pytest.raises(ValueError, match="beyond the cache's 4 tokens"):
+            step(torch.tensor([5]))
+    assert cache.seq_len(0) == 4
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda model: (Decoder(GQA), model.new_cache(1, 8)), "GGUF Q4_1/Q8_0 blocks"),
+    (lambda model: (model, model.new_cache(1, 8, "fp16")), "contiguous fp32 cache"),
+    (lambda model: (model, model.new_cache(1, 8, "int8")), "contiguous fp32 cache"),
+    (lambda model: (model, model.new_cache(1, 8, paged=True)), "contiguous fp32 cache"),
+    (lambda model: (model, model.new_cache(1, 8, pre_rope=True)), "pre-RoPE"),
+    (lambda model: (Decoder(ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, bias=True)), None),
+     "bias-free Llama-family"),
+])
+def test_what_cannot_be_fused_says_why(change, reason):
+    model, cache = change(ggml_model(GQA))
+    assert reason in why_not_fused(model, cache)
+    assert fused_step_for(model, cache) is None
+    with pytest.raises(ValueError, match="cannot fuse"):
+        FusedDecodeStep(model, cache)
