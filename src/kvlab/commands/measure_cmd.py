@@ -97,6 +97,7 @@ def measure(args: argparse.Namespace) -> dict:
         "config": {"layers": config.n_layers, "q_heads": config.n_heads, "kv_heads": config.kv_heads,
                    "head_dim": config.head_size, "params": config.param_count()},
         "weights": model.packing, "dtype": model_dtype,
+        "decode_path": "fused C step" if stats["fused_decode"] else "module by module",
         "kv_cache_dtype": args.kv_cache_dtype, "kv_format": formats.label,
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tokens_cached": held,
         "kv_bytes_planned": planned, "kv_bytes_measured": measured, "kv_bytes_match": planned == measured,
@@ -120,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
     table = Table(title=f"{result['model']}: {result['batch']} x ({result['prompt_len']} prompt + "
-                        f"{result['new_tokens']} new tokens), {result['weights']} weights, {result['dtype']} activations, "
+                        f"{result['new_tokens']} new tokens), {result['weights']} weights ({result['decode_path']}), "
+                        f"{result['dtype']} activations, "
                         f"{result['provenance']['machine']['torch_threads']} threads")
     table.add_column("quantity")
     table.add_column("planned / roofline", justify="right")

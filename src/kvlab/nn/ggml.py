@@ -57,8 +57,9 @@ def kernels() -> Optional[ctypes.CDLL]:
             CACHE_DIR.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
                 built = Path(tmp) / library.name
-                subprocess.run([compiler, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
-                                *map(str, SOURCES), "-lm"], check=True, capture_output=True, timeout=120)
+                flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+                subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
+                               capture_output=True, timeout=120)
                 os.replace(built, library)  # atomic: parallel builders never load a half-written file
         except (OSError, subprocess.SubprocessError):
             return None
