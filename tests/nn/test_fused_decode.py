@@ -59,7 +59,7 @@ def ggml_model(config: ModelConfig, seed: int = 0) -> Decoder:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 2, 5])  # 5: a 4-row tile and one row
 def test_fused_steps_equal_module_steps(config, batch):
     model = ggml_model(config)
     prompt = torch.randint(0, config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(1))

@@ -35,7 +35,7 @@ def test_weights_decode_exactly_and_products_match(kind, make):
     raw, dense = make(96, 160, np.random.default_rng(0))
     layer = GGMLLinear(raw, kind, 160)
     assert torch.equal(layer.weight, dense)  # the C dequantiser, exactly
-    for rows in (1, 3, PREFILL_ROWS):  # the integer decode path and the prefill GEMM path
+    for rows in (1, 3, 4, 9, PREFILL_ROWS):  # integer products (row by row, 4-row tiles), then the float GEMM
         x = torch.randn(rows, 160)
         expected = x @ dense.t()
         error = (layer(x) - expected).norm() / expected.norm()

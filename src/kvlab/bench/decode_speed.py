@@ -35,8 +35,18 @@ PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening, co
           "top he lit the lamp that")
 
 
-def kvlab_engine(loaded, prompt: list[int], new_tokens: int, fused: bool) -> Callable[[], list[int]]:
-    return lambda: generate(loaded.model, prompt, new_tokens, fused=fused)[0].tolist()
+class KvlabEngine:
+    """kvlab's `generate`, keeping each call's prefill / decode split (the timed runs' are reported)."""
+
+    def __init__(self, loaded, prompt: list[int], new_tokens: int, fused: bool):
+        self.loaded, self.prompt, self.new_tokens, self.fused = loaded, prompt, new_tokens, fused
+        self.splits: list[dict] = []
+
+    def __call__(self) -> list[int]:
+        stats: dict = {}
+        ids = generate(self.loaded.model, self.prompt, self.new_tokens, fused=self.fused, stats=stats)
+        self.splits.append(stats)
+        return ids[0].tolist()
 
 
 def transformers_engine(path: str, prompt: list[int], new_tokens: int, dtype: torch.dtype) -> Callable[[], list[int]]:
@@ -90,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     generate(loaded.model, prompt, 2, stats=stats)
     weights = f"{args.kvlab_weights} weights"
     engines = {f"kvlab ({weights}, {'fused decode step' if stats['fused_decode'] else 'module path'})":
-               kvlab_engine(loaded, prompt, args.new_tokens, fused=True)}
+               KvlabEngine(loaded, prompt, args.new_tokens, fused=True)}
     if stats["fused_decode"]:
-        engines[f"kvlab ({weights}, module path)"] = kvlab_engine(loaded, prompt, args.new_tokens, fused=False)
+        engines[f"kvlab ({weights}, module path)"] = KvlabEngine(loaded, prompt, args.new_tokens, fused=False)
     if not args.skip_transformers:
         for dtype in (torch.float32, torch.bfloat16):
             name = f"transformers generate ({str(dtype).removeprefix('torch.')})"
@@ -102,7 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         assert len(run["ids"]) == args.new_tokens, run["engine"]
         run["tokens_per_s"] = args.new_tokens / statistics.median(run["seconds"])
         run["best_tokens_per_s"] = args.new_tokens / min(run["seconds"])
-        print(f"{run['engine']}: {run['tokens_per_s']:.1f} tok/s (median), {run['best_tokens_per_s']:.1f} (best)")
+        line = f"{run['engine']}: {run['tokens_per_s']:.1f} tok/s (median), {run['best_tokens_per_s']:.1f} (best)"
+        engine = engines[run["engine"]]
+        if isinstance(engine, KvlabEngine):  # the timed runs' split; the first call was the warm-up
+            timed = engine.splits[-args.repeats:]
+            run["prefill_seconds"] = [split["prefill_s"] for split in timed]
+            run["decode_seconds"] = [split["decode_s"] for split in timed]
+            run["decode_only_tokens_per_s"] = timed[0]["decode_steps"] / statistics.median(run["decode_seconds"])
+            line += (f"; prefill {1000 * statistics.median(run['prefill_seconds']):.0f} ms, decode alone "
+                     f"{run['decode_only_tokens_per_s']:.1f} tok/s")
+        print(line)
     result = {"benchmark": "decode_speed", "model": args.model, "prompt_tokens": len(prompt),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "statistic": "median of the repeats",
               "runs": runs, "provenance": provenance(args.threads)}

@@ -55,14 +55,14 @@ static inline __m256i q8_dot(const int8_t *c, const int16_t *q) {
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
 }
 
-/* One output row o of a Q4_1 matrix against every activation row; two accumulators break
- * the fmadd latency chain. */
-static void q4_1_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
-                     float *y, int accumulate) {
+/* One output row o of a Q4_1 matrix against activation rows r0 .. rows - 1, one at a time;
+ * two accumulators break the fmadd latency chain. */
+static void q4_1_rows(const qmatrix *w, int o, int r0, int rows, const int16_t *qx, const float *dx,
+                      const float *sx, float *y, int accumulate) {
     const int n = w->n, k = w->k, nb = k / QK;
     const uint8_t *c = (const uint8_t *)w->codes + (size_t)o * nb * 16;
     const float *dr = w->d + (size_t)o * nb, *mr = w->m + (size_t)o * nb;
-    for (int r = 0; r < rows; r++) {
+    for (int r = r0; r < rows; r++) {
         const int16_t *q = qx + (size_t)r * k;
         const float *d8 = dx + (size_t)r * nb, *s8 = sx + (size_t)r * nb;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -83,12 +83,12 @@ static void q4_1_row(const qmatrix *w, int o, int rows, const int16_t *qx, const
     }
 }
 
-static void q8_0_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, float *y,
-                     int accumulate) {
+static void q8_0_rows(const qmatrix *w, int o, int r0, int rows, const int16_t *qx, const float *dx, float *y,
+                      int accumulate) {
     const int n = w->n, k = w->k, nb = k / QK;
     const int8_t *c = (const int8_t *)w->codes + (size_t)o * k;
     const float *dr = w->d + (size_t)o * nb;
-    for (int r = 0; r < rows; r++) {
+    for (int r = r0; r < rows; r++) {
         const int16_t *q = qx + (size_t)r * k;
         const float *d8 = dx + (size_t)r * nb;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -104,14 +104,85 @@ static void q8_0_row(const qmatrix *w, int o, int rows, const int16_t *qx, const
     }
 }
 
+/* Block b of output row o, widened to int16: weights 0..15 in *lo, 16..31 in *hi. */
+static inline __attribute__((always_inline)) void unpack_block(int kind, const void *codes, int b, __m256i *lo,
+                                                              __m256i *hi) {
+    if (kind == 0) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)codes + b), low4 = _mm_set1_epi8(0x0F);
+        *lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+        *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+    } else {
+        const int8_t *c = (const int8_t *)codes + b * QK;
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+    }
+}
+
+static inline __m256 block_dot(__m256i lo, __m256i hi, const int16_t *q) {
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
+                                               _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16)))));
+}
+
+#define TILE 4 /* activation rows per pass when there are several (a prompt, a batch) */
+
+/* Output row o against activation rows r0 .. r0 + 3: each weight block is unpacked once for
+ * the four rows, which is what makes several rows cheaper than one row several times. */
+static inline __attribute__((always_inline)) void tile_rows(const qmatrix *w, int kind, int o, int r0,
+                                                           const int16_t *qx, const float *dx, const float *sx,
+                                                           float *y, int accumulate) {
+    const int n = w->n, k = w->k, nb = k / QK;
+    const void *codes = (const uint8_t *)w->codes + (size_t)o * nb * (kind == 0 ? 16 : QK);
+    const float *dr = w->d + (size_t)o * nb;
+    const int16_t *q0 = qx + (size_t)r0 * k, *q1 = q0 + k, *q2 = q1 + k, *q3 = q2 + k;
+    const float *d0 = dx + (size_t)r0 * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256i lo, hi;
+    for (int b = 0; b < nb; b++) {
+        unpack_block(kind, codes, b, &lo, &hi);
+        const int at = b * QK;
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d0[b]), block_dot(lo, hi, q0 + at), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d1[b]), block_dot(lo, hi, q1 + at), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d2[b]), block_dot(lo, hi, q2 + at), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d3[b]), block_dot(lo, hi, q3 + at), a3);
+    }
+    const __m256 acc[TILE] = {a0, a1, a2, a3};
+    for (int t = 0; t < TILE; t++) {
+        const size_t r = (size_t)(r0 + t);
+        float sum = hsum(acc[t]);
+        if (kind == 0) { /* Q4_1's offsets: m times each block's activation sum */
+            const float *mr = w->m + (size_t)o * nb, *s16 = sx + r * nb;
+            for (int b = 0; b < nb; b++) sum += mr[b] * s16[b];
+        }
+        y[r * n + o] = accumulate ? y[r * n + o] + sum : sum;
+    }
+}
+
+/* Output rows o of W against every activation row, in 4-row tiles, the rest one by one. */
+static void tiled_rows(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
+                       float *y, int accumulate) {
+    const int tiled = rows / TILE * TILE;
+    for (int r0 = 0; r0 < tiled; r0 += TILE) {
+        if (w->kind == 0)
+            tile_rows(w, 0, o, r0, qx, dx, sx, y, accumulate);
+        else
+            tile_rows(w, 1, o, r0, qx, dx, sx, y, accumulate);
+    }
+    if (w->kind == 0)
+        q4_1_rows(w, o, tiled, rows, qx, dx, sx, y, accumulate);
+    else
+        q8_0_rows(w, o, tiled, rows, qx, dx, y, accumulate);
+}
+
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int accumulate) {
 #pragma omp for schedule(static)
     for (int o = 0; o < w->n; o++) {
-        if (w->kind == 0)
-            q4_1_row(w, o, rows, qx, dx, sx, y, accumulate);
+        if (rows >= TILE)
+            tiled_rows(w, o, rows, qx, dx, sx, y, accumulate);
+        else if (w->kind == 0)
+            q4_1_rows(w, o, 0, rows, qx, dx, sx, y, accumulate);
         else
-            q8_0_row(w, o, rows, qx, dx, y, accumulate);
+            q8_0_rows(w, o, 0, rows, qx, dx, y, accumulate);
     }
 }
 
