@@ -25,6 +25,16 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* sum_i a[i] b[i], eight lanes at a time (Q4_1's offset term: m times each block's sum). */
+static inline float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
 /* x[k] -> qx (int16 codes, 32 per block), dx (scale per block), sx (the block's exact sum). */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {
     for (size_t b = 0; b < k / QK; b++) {
@@ -35,72 +45,6 @@ void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {
         for (int j = 0; j < QK; j++) qx[b * QK + j] = (int16_t)lrintf(xb[j] * inv);
         dx[b] = d;
         sx[b] = sum;
-    }
-}
-
-/* One block's integer dot product, as 8 int32 partial sums: 32 weight codes (widened to
- * int16) times 32 int16 activations, each product pair summed by madd. */
-static inline __m256i q4_dot(const uint8_t *c, const int16_t *q) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)c), low4 = _mm_set1_epi8(0x0F);
-    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
-                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
-}
-
-static inline __m256i q8_dot(const int8_t *c, const int16_t *q) {
-    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
-    const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
-                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
-}
-
-/* One output row o of a Q4_1 matrix against activation rows r0 .. rows - 1, one at a time;
- * two accumulators break the fmadd latency chain. */
-static void q4_1_rows(const qmatrix *w, int o, int r0, int rows, const int16_t *qx, const float *dx,
-                      const float *sx, float *y, int accumulate) {
-    const int n = w->n, k = w->k, nb = k / QK;
-    const uint8_t *c = (const uint8_t *)w->codes + (size_t)o * nb * 16;
-    const float *dr = w->d + (size_t)o * nb, *mr = w->m + (size_t)o * nb;
-    for (int r = r0; r < rows; r++) {
-        const int16_t *q = qx + (size_t)r * k;
-        const float *d8 = dx + (size_t)r * nb, *s8 = sx + (size_t)r * nb;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        float offsets = 0.0f;
-        int b = 0;
-        for (; b + 1 < nb; b += 2) {
-            __m256i p0 = q4_dot(c + b * 16, q + b * QK), p1 = q4_dot(c + (b + 1) * 16, q + (b + 1) * QK);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * d8[b + 1]), _mm256_cvtepi32_ps(p1), acc1);
-        }
-        for (; b < nb; b++) {
-            __m256i p0 = q4_dot(c + b * 16, q + b * QK);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p0), acc0);
-        }
-        for (b = 0; b < nb; b++) offsets += mr[b] * s8[b];  /* vectorised by the compiler */
-        float sum = hsum(_mm256_add_ps(acc0, acc1)) + offsets;
-        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
-    }
-}
-
-static void q8_0_rows(const qmatrix *w, int o, int r0, int rows, const int16_t *qx, const float *dx, float *y,
-                      int accumulate) {
-    const int n = w->n, k = w->k, nb = k / QK;
-    const int8_t *c = (const int8_t *)w->codes + (size_t)o * k;
-    const float *dr = w->d + (size_t)o * nb;
-    for (int r = r0; r < rows; r++) {
-        const int16_t *q = qx + (size_t)r * k;
-        const float *d8 = dx + (size_t)r * nb;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m256i p = q8_dot(c + b * QK, q + b * QK);
-            if (b & 1)
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc1);
-            else
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d8[b]), _mm256_cvtepi32_ps(p), acc0);
-        }
-        float sum = hsum(_mm256_add_ps(acc0, acc1));
-        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
     }
 }
 
@@ -121,6 +65,38 @@ static inline __attribute__((always_inline)) void unpack_block(int kind, const v
 static inline __m256 block_dot(__m256i lo, __m256i hi, const int16_t *q) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
                                                _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16)))));
+}
+
+/* Output row o against activation rows r0 .. rows - 1, one at a time; two accumulators break
+ * the fmadd latency chain. Inlined once per block kind, so the loops carry no kind test. */
+static inline __attribute__((always_inline)) void single_rows(const qmatrix *w, int kind, int o, int r0, int rows,
+                                                             const int16_t *qx, const float *dx, const float *sx,
+                                                             float *y, int accumulate) {
+    const int n = w->n, k = w->k, nb = k / QK;
+    const void *codes = (const uint8_t *)w->codes + (size_t)o * nb * (kind == 0 ? 16 : QK);
+    const float *dr = w->d + (size_t)o * nb;
+    for (int r = r0; r < rows; r++) {
+        const int16_t *q = qx + (size_t)r * k;
+        const float *d16 = dx + (size_t)r * nb;
+        /* Q4_1's offsets first: independent of the products, so the two overlap */
+        float sum = kind == 0 ? dot_f32(w->m + (size_t)o * nb, sx + (size_t)r * nb, nb) : 0.0f;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        __m256i lo0, hi0, lo1, hi1;
+        int b = 0;
+        for (; b + 1 < nb; b += 2) {
+            unpack_block(kind, codes, b, &lo0, &hi0);
+            unpack_block(kind, codes, b + 1, &lo1, &hi1);
+            __m256 p0 = block_dot(lo0, hi0, q + b * QK), p1 = block_dot(lo1, hi1, q + (b + 1) * QK);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d16[b]), p0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * d16[b + 1]), p1, acc1);
+        }
+        if (b < nb) {
+            unpack_block(kind, codes, b, &lo0, &hi0);
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d16[b]), block_dot(lo0, hi0, q + b * QK), acc0);
+        }
+        sum += hsum(_mm256_add_ps(acc0, acc1));
+        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
+    }
 }
 
 #define TILE 4 /* activation rows per pass when there are several (a prompt, a batch) */
@@ -149,40 +125,38 @@ static inline __attribute__((always_inline)) void tile_rows(const qmatrix *w, in
     for (int t = 0; t < TILE; t++) {
         const size_t r = (size_t)(r0 + t);
         float sum = hsum(acc[t]);
-        if (kind == 0) { /* Q4_1's offsets: m times each block's activation sum */
-            const float *mr = w->m + (size_t)o * nb, *s16 = sx + r * nb;
-            for (int b = 0; b < nb; b++) sum += mr[b] * s16[b];
-        }
+        if (kind == 0) sum += dot_f32(w->m + (size_t)o * nb, sx + r * nb, nb); /* Q4_1's offsets */
         y[r * n + o] = accumulate ? y[r * n + o] + sum : sum;
     }
 }
 
-/* Output rows o of W against every activation row, in 4-row tiles, the rest one by one. */
-static void tiled_rows(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
-                       float *y, int accumulate) {
+/* Output row o of W against every activation row: 4-row tiles, then the rest one by one. */
+static inline __attribute__((always_inline)) void output_row(const qmatrix *w, int kind, int o, int rows,
+                                                            const int16_t *qx, const float *dx, const float *sx,
+                                                            float *y, int accumulate) {
     const int tiled = rows / TILE * TILE;
-    for (int r0 = 0; r0 < tiled; r0 += TILE) {
-        if (w->kind == 0)
-            tile_rows(w, 0, o, r0, qx, dx, sx, y, accumulate);
-        else
-            tile_rows(w, 1, o, r0, qx, dx, sx, y, accumulate);
-    }
-    if (w->kind == 0)
-        q4_1_rows(w, o, tiled, rows, qx, dx, sx, y, accumulate);
-    else
-        q8_0_rows(w, o, tiled, rows, qx, dx, y, accumulate);
+    for (int r0 = 0; r0 < tiled; r0 += TILE) tile_rows(w, kind, o, r0, qx, dx, sx, y, accumulate);
+    single_rows(w, kind, o, tiled, rows, qx, dx, sx, y, accumulate);
+}
+
+static void q4_1_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
+                     float *y, int accumulate) {
+    output_row(w, 0, o, rows, qx, dx, sx, y, accumulate);
+}
+
+static void q8_0_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
+                     float *y, int accumulate) {
+    output_row(w, 1, o, rows, qx, dx, sx, y, accumulate);
 }
 
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int accumulate) {
 #pragma omp for schedule(static)
     for (int o = 0; o < w->n; o++) {
-        if (rows >= TILE)
-            tiled_rows(w, o, rows, qx, dx, sx, y, accumulate);
-        else if (w->kind == 0)
-            q4_1_rows(w, o, 0, rows, qx, dx, sx, y, accumulate);
+        if (w->kind == 0)
+            q4_1_row(w, o, rows, qx, dx, sx, y, accumulate);
         else
-            q8_0_rows(w, o, 0, rows, qx, dx, y, accumulate);
+            q8_0_row(w, o, rows, qx, dx, sx, y, accumulate);
     }
 }
 
