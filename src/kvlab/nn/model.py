@@ -36,7 +36,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
+        """`init_weights=False` leaves parameters as allocated: for loaders that overwrite them all."""
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
@@ -46,6 +47,12 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        if init_weights:
+            self._init_parameters()
+
+    def _init_parameters(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, residual projections scaled by depth."""
+        config = self.config
         self.apply(self._init_weights)
         # GPT-2's scaled init: residual projections shrink with depth so the stream's variance stays put.
         for name, param in self.named_parameters():
@@ -67,8 +74,8 @@ class Decoder(nn.Module):
         `modules` replaces sub-modules by name (e.g. "blocks.0.attn.qkv" -> an Int4Linear) before loading.
         """
         modules = modules or {}
-        with torch.device("meta"):
-            model = cls(config)
+        with torch.device("meta"):  # no storage and no random init: every tensor comes from `state`
+            model = cls(config, init_weights=False)
         for name, module in modules.items():
             model.set_submodule(name, module)
         result = model.load_state_dict(state, assign=True, strict=False)
