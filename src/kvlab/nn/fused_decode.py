@@ -16,17 +16,15 @@ import ctypes
 from typing import Optional
 
 import torch
-from torch import nn
 
 from kvlab.cache.contiguous import ContiguousCache
 from kvlab.nn.ggml import GGMLLinear, kernels
-from kvlab.nn.mlp import SwiGLU
 from kvlab.nn.model import Decoder
-from kvlab.nn.norms import RMSNorm
 from kvlab.nn.rope import INTERLEAVED
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
+# These mirror the structs of csrc/ggml_gemv.h and csrc/llama_decode.c field for field.
 
 class QMatrix(ctypes.Structure):
     _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
@@ -44,10 +42,9 @@ class LlamaModel(ctypes.Structure):
                 ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr), ("lm_head", QMatrix)]
 
 
-def _qmatrix(layer: nn.Module) -> QMatrix:
-    offsets = layer.offsets.data_ptr() if layer.offsets is not None else None
-    return QMatrix(layer._kind_id, layer.out_features, layer.in_features, layer.codes.data_ptr(),
-                   layer.scales.data_ptr(), offsets)
+def _qmatrix(layer: GGMLLinear) -> QMatrix:
+    kind, codes, scales, offsets = layer.planes()
+    return QMatrix(kind, layer.out_features, layer.in_features, codes, scales, offsets)
 
 
 def why_not_fused(model: Decoder, cache) -> Optional[str]:
@@ -63,8 +60,6 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
                                                                           block.mlp.gate_up, block.mlp.down)]
     if not all(isinstance(layer, GGMLLinear) for layer in linears):
         return "every matrix must be held as GGUF Q4_1/Q8_0 blocks (load with weights='gguf')"
-    if not all(isinstance(norm, RMSNorm) for block in model.blocks for norm in (block.attn_norm, block.mlp_norm)):
-        return "norms must be RMSNorm"
     if not isinstance(cache, ContiguousCache) or cache.pre_rope or cache.float_buffers(0) is None \
             or cache.float_buffers(0)[0].dtype != torch.float32:
         return "the cache must be a contiguous fp32 cache (kv_cache_dtype auto/fp32) without pre-RoPE keys"
@@ -74,7 +69,11 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
 
 
 class FusedDecodeStep:
-    """`step(ids [B])` -> logits [B, vocab] for the token after those already in `cache`."""
+    """`step(ids [B])` -> logits [B, vocab] for the token after those already in `cache`.
+
+    Holds the addresses of the model's and the cache's tensors: build one per generation and
+    do not move either (`.to()`, a new cache) while it is in use.
+    """
 
     def __init__(self, model: Decoder, cache: ContiguousCache):
         reason = why_not_fused(model, cache)
@@ -83,7 +82,6 @@ class FusedDecodeStep:
         config, self.model, self.cache = model.config, model, cache
         layers = []
         for index, block in enumerate(model.blocks):
-            assert isinstance(block.mlp, SwiGLU)
             k, v = cache.float_buffers(index)
             layers.append(LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
                                      _qmatrix(block.attn.qkv), _qmatrix(block.attn.o), _qmatrix(block.mlp.gate_up),

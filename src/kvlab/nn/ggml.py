@@ -90,7 +90,7 @@ class GGMLLinear(nn.Module):
         if kernels() is None:
             raise RuntimeError("the GGML kernels are unavailable on this machine (no C compiler or no AVX2)")
         self.kind, self.in_features, self.out_features = kind, in_features, rows.shape[0]
-        self._kind_id = 0 if kind == "q4_1" else 1
+        self.kind_id = 0 if kind == "q4_1" else 1  # the C side's `kind`
         blocks = rows.reshape(self.out_features, -1, BLOCK_BYTES[kind])
         self.register_buffer("scales", blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1))
         if kind == "q4_1":
@@ -100,15 +100,20 @@ class GGMLLinear(nn.Module):
             self.offsets = None
             self.register_buffer("codes", blocks[..., 2:].contiguous().view(torch.int8).reshape(self.out_features, -1))
 
+    def planes(self) -> tuple[int, Optional[int], Optional[int], Optional[int]]:
+        """(kind, codes, scales, offsets) as the C functions take them: addresses, None for no offsets.
+        Valid while this layer's buffers stay where they are (no `.to()` in between)."""
+        offsets = self.offsets.data_ptr() if self.offsets is not None else None
+        return self.kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One C call per layer per step: at batch 1 Python overhead is a real share of a step.
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         if flat.shape[0] >= PREFILL_ROWS:
             return F.linear(flat, self.weight).view(*x.shape[:-1], self.out_features).to(x.dtype)
         y = torch.empty(flat.shape[0], self.out_features)
-        offsets = self.offsets.data_ptr() if self.offsets is not None else None
-        if kernels().ggml_linear(self._kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets,
-                                 self.out_features, self.in_features, flat.shape[0], flat.data_ptr(), y.data_ptr()):
+        if kernels().ggml_linear(*self.planes(), self.out_features, self.in_features, flat.shape[0],
+                                 flat.data_ptr(), y.data_ptr()):
             raise MemoryError("ggml_linear could not allocate its activation buffers")
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
@@ -116,9 +121,7 @@ class GGMLLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dense fp32 [out, in] weights the blocks encode, exactly."""
         dense = torch.empty(self.out_features, self.in_features)
-        offsets = self.offsets.data_ptr() if self.offsets is not None else None
-        kernels().ggml_dequantize(self._kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets,
-                                  self.out_features, self.in_features, dense.data_ptr())
+        kernels().ggml_dequantize(*self.planes(), self.out_features, self.in_features, dense.data_ptr())
         return dense
 
     def extra_repr(self) -> str:
