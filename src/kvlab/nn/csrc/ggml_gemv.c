@@ -12,28 +12,10 @@
  * Output rows are split over OpenMP threads; built with -fopenmp, this library shares the
  * libgomp.so.1 torch has already loaded, so torch.set_num_threads governs it too.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 
 #include "ggml_gemv.h"
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* sum_i a[i] b[i], eight lanes at a time (Q4_1's offset term: m times each block's sum). */
-static inline float dot_f32(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = hsum(acc);
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
 
 /* x[k] -> qx (int16 codes, 32 per block), dx (scale per block), sx (the block's exact sum). */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {

@@ -1,12 +1,30 @@
-/* The GGML block kernels shared by the per-layer entry point (ggml_gemv.c) and the fused
+/* The GGML block kernels (AVX2) shared by the per-layer entry point (ggml_gemv.c) and the fused
  * Llama decode step (llama_decode.c). */
 #ifndef KVLAB_GGML_GEMV_H
 #define KVLAB_GGML_GEMV_H
 
+#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #define QK 32
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum_i a[i] b[i], eight lanes at a time (Q4_1's offset term, attention scores). */
+static inline float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
 
 /* One matrix W [n, k] as the file's blocks split into planes (see ggml_gemv.c). */
 typedef struct {

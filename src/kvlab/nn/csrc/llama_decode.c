@@ -75,9 +75,7 @@ static void attend_head(const llama_model *m, const llama_layer *l, int b, int h
     const float scale = 1.0f / sqrtf((float)d);
     float top = -INFINITY, total = 0.0f;
     for (int t = 0; t <= pos; t++) {
-        float dot = 0.0f;
-        for (int i = 0; i < d; i++) dot += q[i] * k[(size_t)t * d + i];
-        scores[t] = dot * scale;
+        scores[t] = dot_f32(q, k + (size_t)t * d, d) * scale;
         top = fmaxf(top, scores[t]);
     }
     for (int t = 0; t <= pos; t++) total += scores[t] = expf(scores[t] - top);
