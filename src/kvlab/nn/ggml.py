@@ -3,13 +3,14 @@
 The weights keep the file's values (Q4_1: 4-bit codes plus a scale and an offset per 32
 weights; Q8_0: 8-bit codes plus a scale), and each call quantises the activations to int16
 per 32-element block, so every block's dot product is an integer one (csrc/ggml_gemv.c,
-AVX2 madd). llama.cpp quantises activations to int8 instead, 12-14% faster here
-but costs about 0.5% relative error per product: enough to flip near-tied tokens of SmolLM2
-(its answer to "What is the capital of France?" began "L'Étoile..." with int8 activations).
-With int16 the error is about 5e-5 and SmolLM2's greedy tokens are the dense model's.
+AVX2 madd). llama.cpp quantises activations to int8 instead (one maddubs per block, a
+little faster), which costs about 0.5% relative error per product: enough to flip near-tied
+tokens of SmolLM2 (its answer to "What is the capital of France?" began "L'Étoile..." with
+int8 activations). With int16 the error is about 5e-5 and SmolLM2's greedy tokens are the
+dense model's.
 
 A batch-1 decode step streams about a fifth of the fp32 bytes: on one core of this
-project's CPU SmolLM2's 121 products take about 12.7 ms in all against about 37 ms as fp32
+project's CPU SmolLM2's 121 products take about 12 ms in all against about 37 ms as fp32
 matrices. Prompts (PREFILL_ROWS rows or more) dequantise each matrix in C and use PyTorch's
 float GEMM. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
