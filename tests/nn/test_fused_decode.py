@@ -61,9 +61,18 @@ def ggml_model(config: ModelConfig, seed: int = 0) -> Decoder:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
 @pytest.mark.parametrize("batch", [1, 2, 5])  # 5: a 4-row tile and one row
 def test_fused_steps_equal_module_steps(config, batch):
+    check_against_module_steps(config, batch, "auto")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
+def test_half_precision_caches_equal_module_steps(kv_cache_dtype):
+    check_against_module_steps(GQA, 2, kv_cache_dtype)
+
+
+def check_against_module_steps(config: ModelConfig, batch: int, kv_cache_dtype: str) -> None:
     model = ggml_model(config)
     prompt = torch.randint(0, config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(1))
-    reference, cache = model.new_cache(batch, 30), model.new_cache(batch, 30)
+    reference, cache = model.new_cache(batch, 30, kv_cache_dtype), model.new_cache(batch, 30, kv_cache_dtype)
     with torch.inference_mode():
         ids = model(prompt, reference, last_only=True)[:, -1].argmax(-1)
         model(prompt, cache, last_only=True)
@@ -76,7 +85,15 @@ def test_fused_steps_equal_module_steps(config, batch):
     assert cache.seq_len(0) == reference.seq_len(config.n_layers - 1) == 25
     for layer in range(config.n_layers):
         for ours, theirs in zip(cache.float_buffers(layer), reference.float_buffers(layer)):
-            assert_close_to_scale(ours, theirs)  # the keys and values written, to the same tolerance
+            assert ours.dtype == theirs.dtype == {"auto": torch.float32, "fp16": torch.float16,
+                                                  "bf16": torch.bfloat16}[kv_cache_dtype]
+            # the keys and values written: as close as the logits, or one step of the cache's dtype
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=torch.finfo(ours.dtype).eps,
+                                       atol=1e-3 * theirs.abs().max().item())
+            # rounded to nearest as torch rounds: truncating would shrink about half the values
+            shrunk = (ours.float().abs() < theirs.float().abs()).float().mean().item()
+            grown = (ours.float().abs() > theirs.float().abs()).float().mean().item()
+            assert abs(shrunk - grown) < 0.1, (shrunk, grown)
 
 
 def test_generate_uses_the_fused_step_and_agrees_with_the_module_path():
@@ -118,9 +135,9 @@ def test_a_full_cache_is_refused_not_overrun():
 
 @pytest.mark.parametrize("change,reason", [
     (lambda model: (Decoder(GQA), model.new_cache(1, 8)), "GGUF Q4_1/Q8_0 blocks"),
-    (lambda model: (model, model.new_cache(1, 8, "fp16")), "contiguous fp32 cache"),
-    (lambda model: (model, model.new_cache(1, 8, "int8")), "contiguous fp32 cache"),
-    (lambda model: (model, model.new_cache(1, 8, paged=True)), "contiguous fp32 cache"),
+    (lambda model: (model, model.new_cache(1, 8, "fp8")), "contiguous fp32/fp16/bf16 cache"),
+    (lambda model: (model, model.new_cache(1, 8, "int8")), "contiguous fp32/fp16/bf16 cache"),
+    (lambda model: (model, model.new_cache(1, 8, paged=True)), "contiguous fp32/fp16/bf16 cache"),
     (lambda model: (model, model.new_cache(1, 8, pre_rope=True)), "pre-RoPE"),
     (lambda model: (Decoder(ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, bias=True)), None),
      "bias-free Llama-family"),

@@ -6,8 +6,8 @@ thread start-ups around them cost more than the products. `FusedDecodeStep` hand
 model's weights, the cache's buffers and the RoPE tables to csrc/llama_decode.c once, and each
 step is then one call. It computes what `Decoder.forward` computes with GGMLLinear layers
 (same int16 activations, same fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
-kvlab.cache ContiguousCache the model would have used, and advances its length, so the
-module path can take over at any step. `fused_step_for` says why not when it cannot apply.
+kvlab.cache ContiguousCache the model would have used (fp32, fp16 or bf16 rows), and advances
+its length, so the module path can take over at any step. `fused_step_for` says why not when it cannot apply.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvlab.nn.model import Decoder
 from kvlab.nn.rope import INTERLEAVED
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # llama_decode.c's CACHE_*
 
 # These mirror the structs of csrc/ggml_gemv.h and csrc/llama_decode.c field for field.
 
@@ -38,7 +39,8 @@ class LlamaLayer(ctypes.Structure):
 class LlamaModel(ctypes.Structure):
     _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
                 ("hidden", _int), ("vocab", _int), ("batch", _int), ("capacity", _int),
-                ("rope_interleaved", _int), ("eps", _float), ("rope_cos", _ptr), ("rope_sin", _ptr),
+                ("rope_interleaved", _int), ("cache_dtype", _int), ("eps", _float), ("rope_cos", _ptr),
+                ("rope_sin", _ptr),
                 ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr), ("lm_head", QMatrix)]
 
 
@@ -60,9 +62,11 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
                                                                           block.mlp.gate_up, block.mlp.down)]
     if not all(isinstance(layer, GGMLLinear) for layer in linears):
         return "every matrix must be held as GGUF Q4_1/Q8_0 blocks (load with weights='gguf')"
+    if config.head_size % 8:
+        return "the head dim must be a multiple of 8"
     if not isinstance(cache, ContiguousCache) or cache.pre_rope or cache.float_buffers(0) is None \
-            or cache.float_buffers(0)[0].dtype != torch.float32:
-        return "the cache must be a contiguous fp32 cache (kv_cache_dtype auto/fp32) without pre-RoPE keys"
+            or cache.float_buffers(0)[0].dtype not in CACHE_DTYPES:
+        return "the cache must be a contiguous fp32/fp16/bf16 cache without pre-RoPE keys"
     if len(set(cache.seq_len(layer) for layer in range(config.n_layers))) != 1:
         return "every layer of the cache must hold the same number of tokens"
     return None
@@ -90,7 +94,8 @@ class FusedDecodeStep:
         rope = model.rope
         self._struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
                                   config.ffn_size, config.vocab_size, cache.shape.batch, cache.shape.max_tokens,
-                                  int(rope.style == INTERLEAVED), config.norm_eps, rope.cos.data_ptr(),
+                                  int(rope.style == INTERLEAVED), CACHE_DTYPES[cache.float_buffers(0)[0].dtype],
+                                  config.norm_eps, rope.cos.data_ptr(),
                                   rope.sin.data_ptr(), self._layers, model.norm.weight.data_ptr(),
                                   _qmatrix(model.lm_head))
 

@@ -4,7 +4,7 @@ The decode loop is deliberately small (gpt-fast's shape): the cache is allocated
 prompt + new tokens, each step feeds one token per sequence and asks only for the last
 position's logits, and nothing else happens in Python between steps but sampling and the
 streaming callback. Where the model and cache allow it (a Llama-family model on GGUF blocks,
-an fp32 contiguous cache) each decode step is one C call (kvlab.nn.fused_decode); `fused=False`
+a contiguous fp32/fp16/bf16 cache) each decode step is one C call (kvlab.nn.fused_decode); `fused=False`
 keeps the module-by-module path.
 """
 

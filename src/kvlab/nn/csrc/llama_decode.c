@@ -8,9 +8,10 @@
  *
  * The arithmetic is the module path's (kvlab.nn.model.Decoder with GGMLLinear layers):
  * activations are quantised to int16 per 32 values before each product, norms, RoPE,
- * softmax and SwiGLU run in fp32. K/V are written into the caller's fp32 cache buffers
- * [batch, kv_heads, capacity, head_dim], so the cache stays kvlab.cache's and the Python
- * path can carry on from any step.
+ * softmax and SwiGLU run in fp32. K/V are written into the caller's cache buffers
+ * [batch, kv_heads, capacity, head_dim] of fp32, fp16 or bf16 (rounded to nearest even, as
+ * torch's .to() rounds), so the cache stays kvlab.cache's and the Python path can carry on
+ * from any step.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -24,12 +25,15 @@ typedef struct {
     qmatrix o;                         /* [dim, n_heads head_dim] */
     qmatrix gate_up;                   /* [2 hidden, dim]: gate rows, then up rows */
     qmatrix down;                      /* [dim, hidden] */
-    float *k_cache, *v_cache;          /* [batch, n_kv_heads, capacity, head_dim] */
+    void *k_cache, *v_cache;           /* [batch, n_kv_heads, capacity, head_dim] of cache_dtype */
 } llama_layer;
+
+enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab, batch, capacity;
     int rope_interleaved; /* 0: channel i pairs with i + head_dim/2; 1: 2i pairs with 2i + 1 */
+    int cache_dtype;      /* CACHE_F32, CACHE_F16 or CACHE_BF16; head_dim is a multiple of 8 */
     float eps;
     const float *rope_cos, *rope_sin; /* [positions, head_dim]: full width, sin signed (kvlab.nn.rope) */
     const llama_layer *layers;
@@ -66,23 +70,55 @@ static void rope(float *v, const float *cos, const float *sin, int dim, int inte
     }
 }
 
+/* Eight cache values from element i on, widened to fp32. */
+static inline __m256 load8(const void *cache, int dtype, size_t i) {
+    if (dtype == CACHE_F32) return _mm256_loadu_ps((const float *)cache + i);
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
+    if (dtype == CACHE_F16) return _mm256_cvtph_ps(half);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)); /* bf16: the high half */
+}
+
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (isnan(x)) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
+}
+
+/* src[0 .. n-1] into the cache from element i on, in its element type. */
+static void store_row(void *cache, int dtype, size_t i, const float *src, int n) {
+    if (dtype == CACHE_F32) {
+        memcpy((float *)cache + i, src, n * sizeof(float));
+    } else if (dtype == CACHE_F16) {
+        for (int j = 0; j < n; j += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)cache + i + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    } else {
+        for (int j = 0; j < n; j++) ((uint16_t *)cache)[i + j] = to_bf16(src[j]);
+    }
+}
+
 /* Query head h of row b over tokens 0..pos of its KV head: softmax(q k / sqrt(d)) v. */
 static void attend_head(const llama_model *m, const llama_layer *l, int b, int h, int pos, const float *q,
                         float *scores, float *out) {
-    const int d = m->head_dim, kvh = h / (m->n_heads / m->n_kv_heads);
+    const int d = m->head_dim, kvh = h / (m->n_heads / m->n_kv_heads), dtype = m->cache_dtype;
     const size_t base = ((size_t)b * m->n_kv_heads + kvh) * m->capacity * d;
-    const float *k = l->k_cache + base, *v = l->v_cache + base;
     const float scale = 1.0f / sqrtf((float)d);
     float top = -INFINITY, total = 0.0f;
     for (int t = 0; t <= pos; t++) {
-        scores[t] = dot_f32(q, k + (size_t)t * d, d) * scale;
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(l->k_cache, dtype, base + (size_t)t * d + i), acc);
+        scores[t] = hsum(acc) * scale;
         top = fmaxf(top, scores[t]);
     }
     for (int t = 0; t <= pos; t++) total += scores[t] = expf(scores[t] - top);
     for (int i = 0; i < d; i++) out[i] = 0.0f;
     for (int t = 0; t <= pos; t++) {
-        const float p = scores[t] / total;
-        for (int i = 0; i < d; i++) out[i] += p * v[(size_t)t * d + i];
+        const __m256 p = _mm256_set1_ps(scores[t] / total);
+        for (int i = 0; i < d; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, load8(l->v_cache, dtype, base + (size_t)t * d + i),
+                                                      _mm256_loadu_ps(out + i)));
     }
 }
 
@@ -99,8 +135,8 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
         for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
         for (int h = 0; h < hkv; h++) {
             const size_t slot = (((size_t)r * hkv + h) * m->capacity + pos) * d;
-            memcpy(l->k_cache + slot, heads + (hq + h) * d, d * sizeof(float));
-            memcpy(l->v_cache + slot, heads + (hq + hkv + h) * d, d * sizeof(float));
+            store_row(l->k_cache, m->cache_dtype, slot, heads + (hq + h) * d, d);
+            store_row(l->v_cache, m->cache_dtype, slot, heads + (hq + hkv + h) * d, d);
         }
     }
 #pragma omp for schedule(static)
