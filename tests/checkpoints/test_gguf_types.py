@@ -1,10 +1,11 @@
 """Every GGUF tensor type the loader reads gives the weights its F32 twin gives.
 
-A tiny Llama is written twice: once with each matrix in a different stored type (F16, Q8_0,
-Q4_1, Q5_0, Q4_K, Q6_K), once all F32 holding exactly what those blocks decode to. The
-loader must build the same model from both (shapes reversed, Q/K rows un-permuted, fused
-matrices stacked the same way, whatever the type), and the block-computing packing must
-agree with it.
+A tiny Llama is written twice: once with its tensors in different stored types (F16 norms,
+Q4_K/Q6_K/Q5_0 queries/keys/values as in llama.cpp's Q4_K_M mixes, Q4_0, Q4_1, Q8_0), once all
+F32 holding exactly what those blocks decode to. The loader must build the same model from
+both (shapes reversed, Q/K rows un-permuted, fused matrices stacked the same way, whatever the
+type). The block-computing packing must keep every matrix as planes, decoding to the same
+weights, and its fused decode step must run on the mixed stacks.
 """
 
 import numpy as np
@@ -17,19 +18,22 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from kvlab.checkpoints.gguf import config_from_gguf, load_weights, read_gguf  # noqa: E402
-from kvlab.nn.ggml import GGMLLinear, kernels  # noqa: E402
+from kvlab.checkpoints.gguf_planes import planes_from_blocks  # noqa: E402
+from kvlab.nn.generate import generate  # noqa: E402
+from kvlab.nn.ggml import GGMLLinear, GGMLStack, kernels  # noqa: E402
 from kvlab.nn.model import Decoder  # noqa: E402
 
 DIM, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 64, 4, 2, 2  # K-quant blocks hold 256 weights
-MATRIX_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q6_K, "attn_v": T.Q5_0, "attn_output": T.F16,
-                "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
+MATRIX_TYPES = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_0,
+                "ffn_gate": T.Q5_0, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
 K_BLOCK = {T.Q4_K: 144, T.Q6_K: 210}  # bytes per 256 weights
 
 
 def random_k_blocks(kind: T, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant bytes with sane fp16 super-block scales (gguf-py cannot quantise K-quants)."""
     raw = rng.integers(0, 256, (rows, cols // 256, K_BLOCK[kind]), dtype=np.uint8)
-    scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+    # weights of a few tenths at most, like a trained model's: larger ones make attention chaotic
+    scale = np.array([5e-4 if kind == T.Q4_K else 1e-4], dtype=np.float16).view(np.uint8)
     if kind == T.Q4_K:  # d and dmin lead the block
         raw[..., 0:2], raw[..., 2:4] = scale, scale
     else:  # Q6_K: d ends it
@@ -37,15 +41,13 @@ def random_k_blocks(kind: T, rows: int, cols: int, rng: np.random.Generator) -> 
     return raw.reshape(rows, -1)
 
 
-def stored(kind: T, rows: int, cols: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes or array as written, the fp32 values they decode to) for a [rows, cols] matrix."""
+def stored(kind: T, rows: int, cols: int, rng: np.random.Generator, std: float = 0.05
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks as written, the fp32 values they decode to) for a [rows, cols] matrix."""
     if kind in K_BLOCK:
         raw = random_k_blocks(kind, rows, cols, rng)
         return raw, quants.dequantize(raw, kind).astype(np.float32)
-    values = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
-    if kind == T.F16:
-        half = values.astype(np.float16)
-        return half, half.astype(np.float32)
+    values = rng.normal(0, std, (rows, cols)).astype(np.float32)
     raw = quants.quantize(values, kind)
     return raw, quants.dequantize(raw, kind).astype(np.float32)
 
@@ -75,13 +77,14 @@ def twin_files(tmp_path_factory):
     shapes = {"attn_q": (DIM, DIM), "attn_k": (DIM // HEADS * KV_HEADS, DIM), "attn_v": (DIM // HEADS * KV_HEADS, DIM),
               "attn_output": (DIM, DIM), "ffn_gate": (FFN, DIM), "ffn_up": (FFN, DIM), "ffn_down": (DIM, FFN)}
     typed, plain = {}, {}
-    for name, values in {"token_embd.weight": rng.normal(0, 1, (VOCAB, DIM)),
-                         "output_norm.weight": rng.uniform(0.5, 1.5, DIM)}.items():
-        typed[name] = plain[name] = (T.F32, values.astype(np.float32))
+    data, decoded = stored(T.Q8_0, VOCAB, DIM, rng, std=1.0)  # the tied LM head too
+    typed["token_embd.weight"], plain["token_embd.weight"] = (T.Q8_0, data), (T.F32, decoded)
+    typed["output_norm.weight"] = plain["output_norm.weight"] = (T.F32, rng.uniform(0.5, 1.5, DIM).astype(np.float32))
     for layer in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
-            typed[f"blk.{layer}.{norm}.weight"] = plain[f"blk.{layer}.{norm}.weight"] = (
-                T.F32, rng.uniform(0.5, 1.5, DIM).astype(np.float32))
+            half = rng.uniform(0.5, 1.5, DIM).astype(np.float16)
+            typed[f"blk.{layer}.{norm}.weight"] = (T.F16, half)
+            plain[f"blk.{layer}.{norm}.weight"] = (T.F32, half.astype(np.float32))
         for name, kind in MATRIX_TYPES.items():
             data, decoded = stored(kind, *shapes[name], rng)
             typed[f"blk.{layer}.{name}.weight"] = (kind, data)
@@ -100,7 +103,7 @@ def build(path: str, packing: str) -> Decoder:
 def test_every_type_loads_as_its_f32_twin(twin_files):
     typed, plain = twin_files
     stored_types = {t.tensor_type for t in read_gguf(typed).tensors.values()}
-    assert {T.F16, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K} <= stored_types
+    assert {T.F16, T.Q4_0, T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K} <= stored_types
     ours, reference = build(typed, "dense").state_dict(), build(plain, "dense").state_dict()
     assert ours.keys() == reference.keys()
     for name in reference:
@@ -108,12 +111,33 @@ def test_every_type_loads_as_its_f32_twin(twin_files):
 
 
 @pytest.mark.skipif(kernels() is None, reason="no C compiler or no AVX2 here")
-def test_block_packing_keeps_q4_1_and_q8_0_and_agrees(twin_files):
+def test_block_packing_keeps_every_matrix_and_fuses_mixed_stacks(twin_files):
     typed, _ = twin_files
     dense, packed = build(typed, "dense"), build(typed, "gguf")
-    kept = {name for name, module in packed.named_modules() if isinstance(module, GGMLLinear)}
-    assert kept == {f"blocks.{i}.{m}" for i in range(LAYERS) for m in ("mlp.gate_up", "mlp.down")}
+    kinds = {name: module.kind for name, module in packed.named_modules() if isinstance(module, GGMLLinear)}
+    for i in range(LAYERS):  # Q and K (Q4_K) share planes; V (Q6_K) sits beside them in a GGMLStack
+        assert isinstance(packed.blocks[i].attn.qkv, GGMLStack)
+        assert [kinds[f"blocks.{i}.attn.qkv.parts.{p}"] for p in (0, 1)] == ["q4_1", "q6_k"]
+        assert [kinds[f"blocks.{i}.{m}"] for m in ("attn.o", "mlp.down")] == ["q4_1", "q8_0"]
+        assert isinstance(packed.blocks[i].mlp.gate_up, GGMLStack)  # Q5_0 gate (q8_0) beside Q4_1 up
+    assert kinds["lm_head"] == "q8_0"
+    for name, module in packed.named_modules():
+        if isinstance(module, (GGMLLinear, GGMLStack)) and ".parts." not in name:
+            assert torch.equal(module.weight, dense.get_submodule(name).weight), name
     ids = torch.tensor([[1, 5, 9, 2]])
     with torch.inference_mode():
         expected, got = dense(ids), packed(ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-3 * expected.abs().max().item())
+    stats = {}
+    fused = generate(packed, [1, 5, 9, 2], 12, stats=stats)
+    assert stats["fused_decode"]
+    assert torch.equal(fused, generate(packed, [1, 5, 9, 2], 12, fused=False))
+
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0, T.Q6_K])
+def test_planes_decode_exactly_as_gguf(kind):
+    data, decoded = stored(kind, 8, 512, np.random.default_rng(5))
+    planes = planes_from_blocks(data, kind.name, 512)
+    assert torch.equal(planes.dense(), torch.from_numpy(decoded))
+    if kernels() is not None:
+        assert torch.equal(GGMLLinear(planes).weight, torch.from_numpy(decoded))

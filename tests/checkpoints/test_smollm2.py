@@ -63,17 +63,17 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(smollm2, smollm2_path):
         assert smollm2.tokenizer.encode(text) == theirs(text)["input_ids"]
 
 
-def test_q4_1_codes_read_exactly(smollm2_path):
-    """kvlab's own Q4_1 block reader gives the same weights as gguf.quants.dequantize."""
+@pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "token_embd.weight"])  # Q4_1, Q8_0
+def test_planes_read_exactly(smollm2_path, name):
+    """kvlab's planes of the file's blocks give the same weights as gguf.quants.dequantize."""
     import numpy as np
     from gguf import quants
 
-    from kvlab.checkpoints.gguf import q4_codes, read_gguf
+    from kvlab.checkpoints.gguf import planes_of, read_gguf
 
-    tensor = read_gguf(smollm2_path).tensors["blk.3.attn_k.weight"]
-    codes, scale, offset = q4_codes(tensor)
-    ours = codes * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
-    assert torch.equal(ours, torch.from_numpy(quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)))
+    tensor = read_gguf(smollm2_path).tensors[name]
+    theirs = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    assert torch.equal(planes_of(tensor).dense(), torch.from_numpy(theirs))
 
 
 @pytest.fixture(scope="module")

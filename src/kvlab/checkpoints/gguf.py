@@ -1,8 +1,10 @@
 """Llama-architecture GGUF files (llama.cpp's format) into a kvlab Decoder and Tokenizer.
 
-Quantised tensors (Q4_1, Q8_0, Q4_K, Q5_0, Q6_K, ...) are dequantised once at load with
-`gguf.quants.dequantize` and kept in the compute dtype: at batch 1 on a CPU a dense bf16 or
-fp32 matrix-vector product is faster than any dequantise-on-the-fly kernel torch offers.
+How the quantised matrices are kept is the packing's choice: "dense" dequantises every
+tensor once at load with `gguf.quants.dequantize` (transformers' arithmetic); "gguf" keeps
+Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks as planes kvlab's C kernels compute on
+(kvlab.checkpoints.gguf_planes, not a weight changed); "int4" hands 4-bit planes to
+PyTorch's int4 kernel. Tensors a packing cannot hold are dequantised.
 
 llama.cpp's converter stores each head's Q and K rows permuted so its adjacent-pair RoPE
 computes what Hugging Face's rotate-half RoPE computes on the original rows. We undo the
@@ -23,7 +25,8 @@ from torch import nn
 
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import ModelConfig
-from kvlab.nn.ggml import GGMLLinear, kernels
+from kvlab.checkpoints.gguf_planes import planes_from_blocks
+from kvlab.nn.ggml import Planes, ggml_layer, kernels, stack_planes
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
@@ -122,29 +125,6 @@ LAYER_MATRICES = {
 Q4_GROUP = 32
 
 
-def q4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 tensor's 4-bit codes [rows, cols] and per-32 scale and offset [rows, cols / 32].
-
-    Block layout (llama.cpp ggml-common.h): fp16 d, (Q4_1 only) fp16 m, then 16 bytes whose low
-    nibbles are weights 0..15 and high nibbles weights 16..31. w = q d + m (Q4_1), (q - 8) d (Q4_0).
-    """
-    from gguf import GGMLQuantizationType
-
-    q4_1 = tensor.tensor_type == GGMLQuantizationType.Q4_1
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-    blocks = np.asarray(tensor.data).reshape(rows, cols // Q4_GROUP, 20 if q4_1 else 18)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if q4_1 else -8 * scale
-    packed = blocks[..., 4:] if q4_1 else blocks[..., 2:]
-    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
-    return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(offset)
-
-
-def is_q4(tensor: Any) -> bool:
-    from gguf import GGMLQuantizationType
-    return tensor.tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-
-
 def _rows(name: str, config: ModelConfig):
     """The row transform a GGUF matrix needs: Q and K rows un-permuted per head."""
     if name == "attn_q":
@@ -162,24 +142,28 @@ def raw_rows(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)).reshape(int(tensor.shape[1]), -1).copy())
 
 
-def block_kind(tensor: Any) -> Optional[str]:
-    """"q4_1" or "q8_0" when kvlab's block kernels can compute on this tensor as stored."""
-    from gguf import GGMLQuantizationType
-    return {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}.get(tensor.tensor_type)
+def planes_of(tensor: Any) -> Optional[Planes]:
+    """A quantised tensor as planes (kvlab.checkpoints.gguf_planes), None for other types."""
+    return planes_from_blocks(raw_rows(tensor).numpy(), tensor.tensor_type.name, int(tensor.shape[0]))
 
 
 def packed_linear(parts: list[str], stored: list[Any], config: ModelConfig, packing: str) -> Optional[nn.Module]:
-    """The layer that keeps `stored` (row-stacked) in its file format, or None to dequantise it."""
-    in_features = int(stored[0].shape[0])
-    rows = sum(int(t.shape[1]) for t in stored)
-    if packing == "gguf" and kernels() is not None and len({block_kind(t) for t in stored}) == 1 \
-            and block_kind(stored[0]) is not None:
-        return GGMLLinear(torch.cat([_rows(p, config)(raw_rows(t)) for p, t in zip(parts, stored)]),
-                          block_kind(stored[0]), in_features)
-    if packing == "int4" and all(map(is_q4, stored)) and int4_supported(rows, in_features, Q4_GROUP):
-        pieces = [[_rows(p, config)(x) for x in q4_codes(t)] for p, t in zip(parts, stored)]
-        codes, scale, offset = (torch.cat(column) for column in zip(*pieces))
-        return Int4Linear.from_offset_codes(codes, scale, offset, Q4_GROUP)
+    """The layer that computes on `stored` (row-stacked) as the packing keeps it, or None to
+    dequantise it: "gguf" takes any planes, "int4" 4-bit planes of one kind."""
+    if packing not in ("gguf", "int4") or (packing == "gguf" and kernels() is None):
+        return None
+    planes = [planes_of(t) for t in stored]
+    if any(p is None for p in planes):
+        return None
+    planes = [p.map_rows(_rows(name, config)) for name, p in zip(parts, planes)]
+    if packing == "gguf":
+        return ggml_layer(planes)
+    if len({p.kind for p in planes}) != 1:
+        return None
+    stacked = stack_planes(planes)
+    rows, in_features = stacked.codes.shape
+    if stacked.kind == "q4_1" and int4_supported(rows, in_features, Q4_GROUP):
+        return Int4Linear.from_offset_codes(stacked.codes, stacked.scales, stacked.offsets, Q4_GROUP)
     return None
 
 

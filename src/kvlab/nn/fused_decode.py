@@ -1,4 +1,4 @@
-"""A whole decode step in one C call, for Llama-family models held as GGUF Q4_1/Q8_0 blocks.
+"""A whole decode step in one C call, for Llama-family models held as GGUF blocks (planes).
 
 On SmolLM2-135M a decode step is 121 matrix-vector products of a few hundred microseconds'
 worth of arithmetic each; driven module by module from Python the calls, allocations and
@@ -16,9 +16,10 @@ import ctypes
 from typing import Optional
 
 import torch
+from torch import nn
 
 from kvlab.cache.contiguous import ContiguousCache
-from kvlab.nn.ggml import GGMLLinear, kernels
+from kvlab.nn.ggml import GGMLLinear, GGMLStack, kernels
 from kvlab.nn.model import Decoder
 from kvlab.nn.rope import INTERLEAVED
 
@@ -31,9 +32,13 @@ class QMatrix(ctypes.Structure):
     _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
 
 
+class QStack(ctypes.Structure):
+    _fields_ = [("part", QMatrix * 3), ("parts", _int)]
+
+
 class LlamaLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QMatrix), ("o", QMatrix),
-                ("gate_up", QMatrix), ("down", QMatrix), ("k_cache", _ptr), ("v_cache", _ptr)]
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QStack), ("o", QMatrix),
+                ("gate_up", QStack), ("down", QMatrix), ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
 class LlamaModel(ctypes.Structure):
@@ -49,6 +54,11 @@ def _qmatrix(layer: GGMLLinear) -> QMatrix:
     return QMatrix(kind, layer.out_features, layer.in_features, codes, scales, offsets)
 
 
+def _qstack(layer: nn.Module) -> QStack:
+    parts = list(layer.parts) if isinstance(layer, GGMLStack) else [layer]
+    return QStack((QMatrix * 3)(*map(_qmatrix, parts)), len(parts))
+
+
 def why_not_fused(model: Decoder, cache) -> Optional[str]:
     """None when `FusedDecodeStep` can run `model` on `cache`, else the reason it cannot."""
     config = model.config
@@ -58,10 +68,12 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
         return "only bias-free Llama-family models (RMSNorm, SwiGLU, grouped-query attention) are fused"
     if model.dtype != torch.float32:
         return "the fused step computes in fp32"
-    linears = [model.lm_head] + [m for block in model.blocks for m in (block.attn.qkv, block.attn.o,
-                                                                          block.mlp.gate_up, block.mlp.down)]
-    if not all(isinstance(layer, GGMLLinear) for layer in linears):
-        return "every matrix must be held as GGUF Q4_1/Q8_0 blocks (load with weights='gguf')"
+    single = [model.lm_head] + [m for block in model.blocks for m in (block.attn.o, block.mlp.down)]
+    stacked = [m for block in model.blocks for m in (block.attn.qkv, block.mlp.gate_up)]
+    if not all(isinstance(layer, GGMLLinear) for layer in single) or \
+            not all(isinstance(layer, (GGMLLinear, GGMLStack)) and len(getattr(layer, "parts", [0])) <= 3
+                    for layer in stacked):
+        return "every matrix must be held as GGUF blocks kvlab computes on (load with weights='gguf')"
     if config.head_size % 8:
         return "the head dim must be a multiple of 8"
     if not isinstance(cache, ContiguousCache) or cache.pre_rope or cache.float_buffers(0) is None \
@@ -88,7 +100,7 @@ class FusedDecodeStep:
         for index, block in enumerate(model.blocks):
             k, v = cache.float_buffers(index)
             layers.append(LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
-                                     _qmatrix(block.attn.qkv), _qmatrix(block.attn.o), _qmatrix(block.mlp.gate_up),
+                                     _qstack(block.attn.qkv), _qmatrix(block.attn.o), _qstack(block.mlp.gate_up),
                                      _qmatrix(block.mlp.down), k.data_ptr(), v.data_ptr()))
         self._layers = (LlamaLayer * len(layers))(*layers)
         rope = model.rope

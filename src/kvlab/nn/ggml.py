@@ -27,9 +27,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -37,7 +38,6 @@ from torch.nn import functional as F
 
 QK = 32
 PREFILL_ROWS = 32  # from this many activation rows on, dequantising for a float GEMM is faster here
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "llama_decode.c")  # built into one library
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
@@ -75,31 +75,75 @@ def kernels() -> Optional[ctypes.CDLL]:
     return lib
 
 
+GROUP = {"q4_1": 32, "q8_0": 32, "q6_k": 16}  # weights per scale in each planes kind
+KIND_IDS = {"q4_1": 0, "q8_0": 1, "q6_k": 2}  # the C side's `kind`
+
+
+@dataclass
+class Planes:
+    """A matrix [rows, cols] as integer codes in natural order plus fp32 scales per group:
+    w = code x scale (+ offset). kvlab.checkpoints.gguf_planes turns GGUF blocks into these.
+
+    "q4_1": codes 0..15 (uint8), a scale and an offset per 32 weights;
+    "q8_0": int8 codes, a scale per 32; "q6_k": int8 codes, a scale per 16.
+    """
+
+    kind: str
+    codes: torch.Tensor  # [rows, cols]
+    scales: torch.Tensor  # fp32 [rows, cols / GROUP[kind]]
+    offsets: Optional[torch.Tensor] = None  # fp32 like scales, "q4_1" only
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weights the planes encode."""
+        rows, cols = self.codes.shape
+        weights = self.codes.float().view(rows, -1, GROUP[self.kind]) * self.scales[..., None]
+        if self.offsets is not None:
+            weights = weights + self.offsets[..., None]
+        return weights.reshape(rows, cols)
+
+    def map_rows(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> "Planes":
+        """The same matrix with `transform` (a row permutation) applied to every plane."""
+        offsets = transform(self.offsets) if self.offsets is not None else None
+        return Planes(self.kind, transform(self.codes), transform(self.scales), offsets)
+
+
+def stack_planes(parts: list[Planes]) -> Planes:
+    """Row-stacked matrices of one kind (Q, K and V rows; gate and up rows) as one."""
+    if len({part.kind for part in parts}) != 1:
+        raise ValueError("only planes of one kind stack")
+    offsets = torch.cat([part.offsets for part in parts]) if parts[0].offsets is not None else None
+    return Planes(parts[0].kind, torch.cat([part.codes for part in parts]),
+                  torch.cat([part.scales for part in parts]), offsets)
+
+
 class GGMLLinear(nn.Module):
-    """y = x W^T with W [out, in] held as GGUF Q4_1 or Q8_0 blocks, split into planes:
-    the codes as stored, and each block's fp16 scale (and Q4_1 offset) widened to fp32, exactly."""
+    """y = x W^T with W [out, in] held as planes (codes, per-group fp32 scales and offsets):
+    GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks rearranged without changing a weight."""
 
     packing = "gguf"
 
-    def __init__(self, rows: torch.Tensor, kind: str, in_features: int):
-        """rows: uint8 [out, in / 32 * block bytes], the file's bytes for each output row."""
+    def __init__(self, planes: Planes):
         super().__init__()
-        if kind not in BLOCK_BYTES:
-            raise ValueError(f"unsupported block kind {kind!r}; expected one of {sorted(BLOCK_BYTES)}")
-        if in_features % QK or rows.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
-            raise ValueError(f"{kind} rows of {rows.shape[1]} bytes do not hold {in_features} weights")
+        kind, (rows, cols) = planes.kind, planes.codes.shape
+        if kind not in GROUP:
+            raise ValueError(f"unsupported planes kind {kind!r}; expected one of {sorted(GROUP)}")
+        if cols % QK or planes.scales.shape != (rows, cols // GROUP[kind]) \
+                or (planes.offsets is not None) != (kind == "q4_1"):
+            raise ValueError(f"{kind} planes of codes {list(planes.codes.shape)} and scales "
+                             f"{list(planes.scales.shape)} do not describe one matrix")
         if kernels() is None:
             raise RuntimeError("the GGML kernels are unavailable on this machine (no C compiler or no AVX2)")
-        self.kind, self.in_features, self.out_features = kind, in_features, rows.shape[0]
-        self.kind_id = 0 if kind == "q4_1" else 1  # the C side's `kind`
-        blocks = rows.reshape(self.out_features, -1, BLOCK_BYTES[kind])
-        self.register_buffer("scales", blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1))
-        if kind == "q4_1":
-            self.register_buffer("offsets", blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1))
-            self.register_buffer("codes", blocks[..., 4:].reshape(self.out_features, -1).contiguous())
+        self.kind, self.in_features, self.out_features = kind, cols, rows
+        self.kind_id = KIND_IDS[kind]
+        if kind == "q4_1":  # per 32 weights, 16 bytes: low nibbles weights 0..15, high nibbles 16..31
+            codes = planes.codes.to(torch.uint8).view(rows, -1, 2, 16)
+            packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, -1)
+            self.register_buffer("offsets", planes.offsets.float().contiguous())
         else:
+            packed = planes.codes.to(torch.int8)
             self.offsets = None
-            self.register_buffer("codes", blocks[..., 2:].contiguous().view(torch.int8).reshape(self.out_features, -1))
+        self.register_buffer("codes", packed.contiguous())
+        self.register_buffer("scales", planes.scales.float().contiguous())
 
     def planes(self) -> tuple[int, Optional[int], Optional[int], Optional[int]]:
         """(kind, codes, scales, offsets) as the C functions take them: addresses, None for no offsets.
@@ -127,3 +171,41 @@ class GGMLLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class GGMLStack(nn.Module):
+    """Row-stacked GGMLLinear parts of different kinds, outputs side by side: one matrix to the
+    model (Q, K and V rows; gate and up rows), separate planes to the kernels. llama.cpp's
+    Q4_K_M files mix kinds within a stack (Q4_K queries and keys beside Q6_K values)."""
+
+    packing = "gguf"
+
+    def __init__(self, parts: list[GGMLLinear]):
+        super().__init__()
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("stacked parts must share their input width")
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([part.weight for part in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def ggml_layer(parts: list[Planes]) -> nn.Module:
+    """Row-stacked planes as one layer: consecutive parts of one kind share a GGMLLinear, and a
+    GGMLStack lays kinds side by side where they differ."""
+    groups: list[list[Planes]] = []
+    for part in parts:
+        if groups and groups[-1][0].kind == part.kind:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    layers = [GGMLLinear(stack_planes(group)) for group in groups]
+    return layers[0] if len(layers) == 1 else GGMLStack(layers)

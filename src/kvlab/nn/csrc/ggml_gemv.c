@@ -5,10 +5,12 @@
  * widened to int16, then one float multiply-add by the two blocks' scales. (llama.cpp uses
  * int8 activations and maddubs: a little faster, 250 times coarser.)
  *
- * Weights are the file's blocks split into planes, so the inner loop does no fp16 work:
- *   Q4_1: codes [n, k/2] (per block 16 bytes: low nibbles = weights 0..15, high = 16..31),
- *         d [n, k/32], m [n, k/32] as float; w = q d + m.
- *   Q8_0: codes [n, k] int8, d [n, k/32] as float;                        w = q d.
+ * Weights are planes (kvlab.nn.ggml.Planes, built from GGUF blocks without changing a
+ * weight), so the inner loop does no fp16 work:
+ *   kind 0 "q4_1": codes [n, k/2] (per 32 weights 16 bytes: low nibbles = weights 0..15,
+ *                  high = 16..31), d [n, k/32], m [n, k/32] as float;   w = q d + m.
+ *   kind 1 "q8_0": codes [n, k] int8, d [n, k/32] as float;             w = q d.
+ *   kind 2 "q6_k": codes [n, k] int8, d [n, k/16] as float;             w = q d.
  * Output rows are split over OpenMP threads; built with -fopenmp, this library shares the
  * libgomp.so.1 torch has already loaded, so torch.set_num_threads governs it too.
  */
@@ -44,19 +46,37 @@ static inline __attribute__((always_inline)) void unpack_block(int kind, const v
     }
 }
 
-static inline __m256 block_dot(__m256i lo, __m256i hi, const int16_t *q) {
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
-                                               _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16)))));
+/* acc + block b's 32 products with int16 activations q, times its weight scale(s) dr and the
+ * activation block's scale dxb. madd sums the products in pairs into 8 int32 lanes; "q6_k"
+ * has a scale per 16 weights, so its two halves are scaled apart. */
+static inline __attribute__((always_inline)) __m256 block_fma(int kind, __m256i lo, __m256i hi, const int16_t *q,
+                                                             const float *dr, int b, float dxb, __m256 acc) {
+    const __m256i plo = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q));
+    const __m256i phi = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16)));
+    if (kind == 2) {
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dr[2 * b] * dxb), _mm256_cvtepi32_ps(plo), acc);
+        return _mm256_fmadd_ps(_mm256_set1_ps(dr[2 * b + 1] * dxb), _mm256_cvtepi32_ps(phi), acc);
+    }
+    return _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * dxb), _mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), acc);
+}
+
+/* Where row o's codes and scales start. */
+static inline const void *row_codes(const qmatrix *w, int kind, int o) {
+    return (const uint8_t *)w->codes + (size_t)o * (w->k / QK) * (kind == 0 ? 16 : QK);
+}
+
+static inline const float *row_scales(const qmatrix *w, int kind, int o) {
+    return w->d + (size_t)o * (w->k / (kind == 2 ? 16 : QK));
 }
 
 /* Output row o against activation rows r0 .. rows - 1, one at a time; two accumulators break
  * the fmadd latency chain. Inlined once per block kind, so the loops carry no kind test. */
 static inline __attribute__((always_inline)) void single_rows(const qmatrix *w, int kind, int o, int r0, int rows,
                                                              const int16_t *qx, const float *dx, const float *sx,
-                                                             float *y, int accumulate) {
-    const int n = w->n, k = w->k, nb = k / QK;
-    const void *codes = (const uint8_t *)w->codes + (size_t)o * nb * (kind == 0 ? 16 : QK);
-    const float *dr = w->d + (size_t)o * nb;
+                                                             float *y, int ldy, int accumulate) {
+    const int k = w->k, nb = k / QK;
+    const void *codes = row_codes(w, kind, o);
+    const float *dr = row_scales(w, kind, o);
     for (int r = r0; r < rows; r++) {
         const int16_t *q = qx + (size_t)r * k;
         const float *d16 = dx + (size_t)r * nb;
@@ -68,16 +88,15 @@ static inline __attribute__((always_inline)) void single_rows(const qmatrix *w, 
         for (; b + 1 < nb; b += 2) {
             unpack_block(kind, codes, b, &lo0, &hi0);
             unpack_block(kind, codes, b + 1, &lo1, &hi1);
-            __m256 p0 = block_dot(lo0, hi0, q + b * QK), p1 = block_dot(lo1, hi1, q + (b + 1) * QK);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d16[b]), p0, acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b + 1] * d16[b + 1]), p1, acc1);
+            acc0 = block_fma(kind, lo0, hi0, q + b * QK, dr, b, d16[b], acc0);
+            acc1 = block_fma(kind, lo1, hi1, q + (b + 1) * QK, dr, b + 1, d16[b + 1], acc1);
         }
         if (b < nb) {
             unpack_block(kind, codes, b, &lo0, &hi0);
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d16[b]), block_dot(lo0, hi0, q + b * QK), acc0);
+            acc0 = block_fma(kind, lo0, hi0, q + b * QK, dr, b, d16[b], acc0);
         }
         sum += hsum(_mm256_add_ps(acc0, acc1));
-        y[(size_t)r * n + o] = accumulate ? y[(size_t)r * n + o] + sum : sum;
+        y[(size_t)r * ldy + o] = accumulate ? y[(size_t)r * ldy + o] + sum : sum;
     }
 }
 
@@ -87,10 +106,10 @@ static inline __attribute__((always_inline)) void single_rows(const qmatrix *w, 
  * the four rows, which is what makes several rows cheaper than one row several times. */
 static inline __attribute__((always_inline)) void tile_rows(const qmatrix *w, int kind, int o, int r0,
                                                            const int16_t *qx, const float *dx, const float *sx,
-                                                           float *y, int accumulate) {
-    const int n = w->n, k = w->k, nb = k / QK;
-    const void *codes = (const uint8_t *)w->codes + (size_t)o * nb * (kind == 0 ? 16 : QK);
-    const float *dr = w->d + (size_t)o * nb;
+                                                           float *y, int ldy, int accumulate) {
+    const int k = w->k, nb = k / QK;
+    const void *codes = row_codes(w, kind, o);
+    const float *dr = row_scales(w, kind, o);
     const int16_t *q0 = qx + (size_t)r0 * k, *q1 = q0 + k, *q2 = q1 + k, *q3 = q2 + k;
     const float *d0 = dx + (size_t)r0 * nb, *d1 = d0 + nb, *d2 = d1 + nb, *d3 = d2 + nb;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -98,51 +117,58 @@ static inline __attribute__((always_inline)) void tile_rows(const qmatrix *w, in
     for (int b = 0; b < nb; b++) {
         unpack_block(kind, codes, b, &lo, &hi);
         const int at = b * QK;
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d0[b]), block_dot(lo, hi, q0 + at), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d1[b]), block_dot(lo, hi, q1 + at), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d2[b]), block_dot(lo, hi, q2 + at), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(dr[b] * d3[b]), block_dot(lo, hi, q3 + at), a3);
+        a0 = block_fma(kind, lo, hi, q0 + at, dr, b, d0[b], a0);
+        a1 = block_fma(kind, lo, hi, q1 + at, dr, b, d1[b], a1);
+        a2 = block_fma(kind, lo, hi, q2 + at, dr, b, d2[b], a2);
+        a3 = block_fma(kind, lo, hi, q3 + at, dr, b, d3[b], a3);
     }
     const __m256 acc[TILE] = {a0, a1, a2, a3};
     for (int t = 0; t < TILE; t++) {
         const size_t r = (size_t)(r0 + t);
         float sum = hsum(acc[t]);
         if (kind == 0) sum += dot_f32(w->m + (size_t)o * nb, sx + r * nb, nb); /* Q4_1's offsets */
-        y[r * n + o] = accumulate ? y[r * n + o] + sum : sum;
+        y[r * ldy + o] = accumulate ? y[r * ldy + o] + sum : sum;
     }
 }
 
 /* Output row o of W against every activation row: 4-row tiles, then the rest one by one. */
 static inline __attribute__((always_inline)) void output_row(const qmatrix *w, int kind, int o, int rows,
                                                             const int16_t *qx, const float *dx, const float *sx,
-                                                            float *y, int accumulate) {
+                                                            float *y, int ldy, int accumulate) {
     const int tiled = rows / TILE * TILE;
-    for (int r0 = 0; r0 < tiled; r0 += TILE) tile_rows(w, kind, o, r0, qx, dx, sx, y, accumulate);
-    single_rows(w, kind, o, tiled, rows, qx, dx, sx, y, accumulate);
+    for (int r0 = 0; r0 < tiled; r0 += TILE) tile_rows(w, kind, o, r0, qx, dx, sx, y, ldy, accumulate);
+    single_rows(w, kind, o, tiled, rows, qx, dx, sx, y, ldy, accumulate);
 }
 
 static void q4_1_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
-                     float *y, int accumulate) {
-    output_row(w, 0, o, rows, qx, dx, sx, y, accumulate);
+                     float *y, int ldy, int accumulate) {
+    output_row(w, 0, o, rows, qx, dx, sx, y, ldy, accumulate);
 }
 
 static void q8_0_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
-                     float *y, int accumulate) {
-    output_row(w, 1, o, rows, qx, dx, sx, y, accumulate);
+                     float *y, int ldy, int accumulate) {
+    output_row(w, 1, o, rows, qx, dx, sx, y, ldy, accumulate);
+}
+
+static void q6_k_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
+                     float *y, int ldy, int accumulate) {
+    output_row(w, 2, o, rows, qx, dx, sx, y, ldy, accumulate);
 }
 
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
-                  int accumulate) {
+                  int ldy, int accumulate) {
 #pragma omp for schedule(static)
     for (int o = 0; o < w->n; o++) {
         if (w->kind == 0)
-            q4_1_row(w, o, rows, qx, dx, sx, y, accumulate);
+            q4_1_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
+        else if (w->kind == 1)
+            q8_0_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
         else
-            q8_0_row(w, o, rows, qx, dx, sx, y, accumulate);
+            q6_k_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
     }
 }
 
-/* y[rows, n] = x[rows, k] W^T for W in `kind` (0: Q4_1, 1: Q8_0): quantise x, then multiply. */
+/* y[rows, n] = x[rows, k] W^T for W of planes `kind` (ggml_gemv.h): quantise x, then multiply. */
 int ggml_linear(int kind, const void *codes, const float *d, const float *m, int n, int k, int rows,
                 const float *x, float *y) {
     const qmatrix w = {kind, n, k, codes, d, m};
@@ -155,7 +181,7 @@ int ggml_linear(int kind, const void *codes, const float *d, const float *m, int
     }
     quantize_act(x, (size_t)rows * k, qx, dx, sx);
 #pragma omp parallel if (n >= 256)
-    qmatrix_gemm(&w, rows, qx, dx, sx, y, 0);
+    qmatrix_gemm(&w, rows, qx, dx, sx, y, n, 0);
     free(qx), free(dx), free(sx);
     return 0;
 }
@@ -167,7 +193,7 @@ void ggml_dequantize(int kind, const void *codes, const float *d, const float *m
     for (int o = 0; o < n; o++) {
         for (int b = 0; b < nb; b++) {
             float *w = out + (size_t)o * k + b * QK;
-            const float scale = d[(size_t)o * nb + b];
+            const float scale = kind == 2 ? 0.0f : d[(size_t)o * nb + b];
             if (kind == 0) {
                 const uint8_t *c = (const uint8_t *)codes + ((size_t)o * nb + b) * 16;
                 const float offset = m[(size_t)o * nb + b];
@@ -175,9 +201,13 @@ void ggml_dequantize(int kind, const void *codes, const float *d, const float *m
                     w[j] = (float)(c[j] & 0x0F) * scale + offset;
                     w[j + 16] = (float)(c[j] >> 4) * scale + offset;
                 }
-            } else {
+            } else if (kind == 1) {
                 const int8_t *c = (const int8_t *)codes + ((size_t)o * nb + b) * QK;
                 for (int j = 0; j < QK; j++) w[j] = (float)c[j] * scale;
+            } else { /* a scale per 16 weights */
+                const int8_t *c = (const int8_t *)codes + ((size_t)o * nb + b) * QK;
+                const float *half = d + ((size_t)o * nb + b) * 2;
+                for (int j = 0; j < QK; j++) w[j] = (float)c[j] * half[j / 16];
             }
         }
     }

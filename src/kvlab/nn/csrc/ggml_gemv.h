@@ -26,9 +26,9 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return sum;
 }
 
-/* One matrix W [n, k] as the file's blocks split into planes (see ggml_gemv.c). */
+/* One matrix W [n, k] as planes (see ggml_gemv.c). */
 typedef struct {
-    int kind; /* 0: Q4_1, 1: Q8_0 */
+    int kind; /* 0: "q4_1", 1: "q8_0", 2: "q6_k" (kvlab.nn.ggml.KIND_IDS) */
     int n, k;
     const void *codes;
     const float *d, *m; /* m: Q4_1 offsets, NULL for Q8_0 */
@@ -37,10 +37,18 @@ typedef struct {
 /* x[k] -> int16 codes, a scale per 32-value block and each block's exact sum. */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
 
-/* y[r, o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act.
- * Output rows are shared out with an orphaned `omp for`: called inside a parallel region the
- * threads split the work (and meet at its end), called outside it runs on one thread. */
+/* y[r * ldy + o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act
+ * (ldy > n writes into a wider output, as stacked matrices do). Output rows are shared out
+ * with an orphaned `omp for`: called inside a parallel region the threads split the work (and
+ * meet at its end), called outside it runs on one thread. */
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
-                  int accumulate);
+                  int ldy, int accumulate);
+
+/* Up to three matrices whose outputs are laid side by side (Q, K, V rows; gate, up rows):
+ * stored apart when their kinds differ, as in llama.cpp's Q4_K_M files. */
+typedef struct {
+    qmatrix part[3];
+    int parts;
+} qstack;
 
 #endif

@@ -21,9 +21,9 @@
 
 typedef struct {
     const float *attn_norm, *mlp_norm; /* [dim] */
-    qmatrix qkv;                       /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
+    qstack qkv;                        /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
     qmatrix o;                         /* [dim, n_heads head_dim] */
-    qmatrix gate_up;                   /* [2 hidden, dim]: gate rows, then up rows */
+    qstack gate_up;                    /* [2 hidden, dim]: gate rows, then up rows */
     qmatrix down;                      /* [dim, hidden] */
     void *k_cache, *v_cache;           /* [batch, n_kv_heads, capacity, head_dim] of cache_dtype */
 } llama_layer;
@@ -122,12 +122,18 @@ static void attend_head(const llama_model *m, const llama_layer *l, int b, int h
     }
 }
 
+/* y [rows, width] = x W^T for W stacked from parts, each writing its own columns. */
+static void stack_gemm(const qstack *w, int rows, const scratch *s, float *y, int width) {
+    for (int i = 0, at = 0; i < w->parts; at += w->part[i].n, i++)
+        qmatrix_gemm(&w->part[i], rows, s->qx, s->dx, s->sx, y + at, width, 0);
+}
+
 static void layer_step(const llama_model *m, const llama_layer *l, int pos, float *x, scratch *s) {
     const int rows = m->batch, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads;
     const int width = (hq + 2 * hkv) * d;
 #pragma omp single
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
-    qmatrix_gemm(&l->qkv, rows, s->qx, s->dx, s->sx, s->qkv, 0);
+    stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp single
     for (int r = 0; r < rows; r++) { /* RoPE on queries and keys, then K and V into the cache */
         float *heads = s->qkv + (size_t)r * width;
@@ -147,10 +153,10 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
     }
 #pragma omp single
     quantize_act(s->att, (size_t)rows * hq * d, s->qx, s->dx, s->sx);
-    qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, 1); /* the residual add is the accumulate */
+    qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, m->dim, 1); /* the residual add is the accumulate */
 #pragma omp single
     norm_quantize(x, l->mlp_norm, rows, m->dim, m->eps, s->normed, s);
-    qmatrix_gemm(&l->gate_up, rows, s->qx, s->dx, s->sx, s->gate_up, 0);
+    stack_gemm(&l->gate_up, rows, s, s->gate_up, 2 * m->hidden);
 #pragma omp single
     {
         for (int r = 0; r < rows; r++) {
@@ -160,7 +166,7 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
         }
         quantize_act(s->act, (size_t)rows * m->hidden, s->qx, s->dx, s->sx);
     }
-    qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, 1);
+    qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, m->dim, 1);
 }
 
 /* Advance every row by one token at position `pos`: x [batch, dim] holds the new tokens'
@@ -191,7 +197,7 @@ int llama_decode_step(const llama_model *m, int pos, float *x, float *logits) {
             for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], pos, x, &s);
 #pragma omp single
             norm_quantize(x, m->final_norm, rows, m->dim, m->eps, s.normed, &s);
-            qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, 0);
+            qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, m->vocab, 0);
         }
     }
     free(s.normed), free(s.qkv), free(s.att), free(s.gate_up), free(s.act), free(s.scores);
