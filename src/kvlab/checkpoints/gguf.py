@@ -205,9 +205,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, packing: str = "den
     """Model (eval mode), tokenizer and the parsed file (for its metadata and bytes).
 
     `packing` says how matrices stored quantised are kept: "dense" dequantises everything into
-    `dtype`; "gguf" keeps Q4_1/Q8_0 blocks as stored and computes on them (GGMLLinear, the
-    fastest at batch 1); "int4" keeps Q4_0/Q4_1 matrices for PyTorch's int4 kernel
-    (Int4Linear). Matrices a packing cannot hold are dequantised; activations, norms and the
+    `dtype`; "gguf" keeps Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks as planes and computes on them
+    (GGMLLinear, the fastest at batch 1); "int4" keeps 4-bit matrices (Q4_0/Q4_1/Q4_K) for
+    PyTorch's int4 kernel (Int4Linear). Matrices a packing cannot hold are dequantised; activations, norms and the
     KV cache are in `dtype` either way.
     """
     file = read_gguf(path)

@@ -19,10 +19,11 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
     parser.add_argument("--weights", default="auto", choices=("auto", "gguf", "dense", "int4"),
-                        help="gguf: compute on a GGUF's Q4_1/Q8_0 blocks (int16 activations; with an "
-                             "fp32/fp16/bf16 cache each decode step is one C call); dense: dequantise to fp32, transformers' "
-                             "arithmetic; int4: PyTorch's int4 kernel (bf16 activations); auto (default): gguf "
-                             "where its C kernels build, else dense, and dense with --kv-heads")
+                        help="gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 "
+                             "activations; with an fp32/fp16/bf16 cache each decode step is one C call); "
+                             "dense: dequantise to fp32, transformers' arithmetic; int4: PyTorch's int4 kernel "
+                             "(bf16 activations); auto (default): gguf where its C kernels build, else dense, "
+                             "and dense with --kv-heads")
     parser.add_argument("--threads", type=positive_int,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
 

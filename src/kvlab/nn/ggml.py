@@ -1,7 +1,8 @@
-"""Linear layers that compute straight on a GGUF file's Q4_1 / Q8_0 blocks, as llama.cpp does.
+"""Linear layers that compute straight on a GGUF file's quantised blocks, as llama.cpp does.
 
-The weights keep the file's values (Q4_1: 4-bit codes plus a scale and an offset per 32
-weights; Q8_0: 8-bit codes plus a scale), and each call quantises the activations to int16
+The weights keep the file's values, rearranged as planes (`Planes`: integer codes plus fp32
+scales, and offsets, per group of 16 or 32 weights; kvlab.checkpoints.gguf_planes builds them
+from Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks), and each call quantises the activations to int16
 per 32-element block, so every block's dot product is an integer one (csrc/ggml_gemv.c,
 AVX2 madd). llama.cpp quantises activations to int8 instead (one maddubs per block, a
 little faster), which costs about 0.5% relative error per product: enough to flip near-tied
