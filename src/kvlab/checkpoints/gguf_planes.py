@@ -14,8 +14,9 @@ one scale (and offset) per group of 16 or 32 weights, each exactly representable
 
 The bit layouts follow llama.cpp's ggml-common.h (Q4_K's scale packing is gguf-py's own
 `Q4_K.get_scale_min`); a test checks every type's planes decode to exactly what
-`gguf.quants.dequantize` gives. The products of fp16 scales, 6-bit or int8 factors and small
-codes all fit fp32's 24-bit mantissa, so "exactly" holds bit for bit.
+`gguf.quants.dequantize` gives, bit for bit: the scales are the same fp32 products gguf-py
+forms (fp16 d times a 6-bit or int8 factor, exact in fp32), and code x scale is then the
+same single rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from kvlab.nn.ggml import Planes
+
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """fp16 values stored as byte pairs in the last axis -> fp32, one per pair."""
