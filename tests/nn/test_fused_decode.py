@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+from kvlab.cache import make_cache
+from kvlab.cache.base import KVShape
+from kvlab.cache.codecs import FloatCodec
+from kvlab.cache.contiguous import ContiguousCache
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.fused_decode import FusedDecodeStep, fused_step_for, why_not_fused
 from kvlab.nn.generate import generate
@@ -132,10 +136,13 @@ def test_a_full_cache_is_refused_not_overrun():
 
 @pytest.mark.parametrize("change,reason", [
     (lambda model: (Decoder(GQA), model.new_cache(1, 8)), "held as GGUF blocks"),
-    (lambda model: (model, model.new_cache(1, 8, "fp8")), "contiguous fp32/fp16/bf16 cache"),
-    (lambda model: (model, model.new_cache(1, 8, "int8")), "contiguous fp32/fp16/bf16 cache"),
-    (lambda model: (model, model.new_cache(1, 8, paged=True)), "contiguous fp32/fp16/bf16 cache"),
+    (lambda model: (model, model.new_cache(1, 8, "fp8")), "fp32/fp16/bf16 CPU cache"),
+    (lambda model: (model, model.new_cache(1, 8, "int8")), "fp32/fp16/bf16 CPU cache"),
+    (lambda model: (model, model.new_cache(1, 8, paged=True)), "fp32/fp16/bf16 CPU cache"),
     (lambda model: (model, model.new_cache(1, 8, pre_rope=True)), "pre-RoPE"),
+    (lambda model: (model, make_cache("auto", GQA.n_layers, 1, 1, 16, 16, 8)), "KV heads and head dim"),
+    (lambda model: (model, ContiguousCache(KVShape(GQA.n_layers, 1, 2, 16, 16, 8), FloatCodec(16, torch.float16),
+                                           FloatCodec(16, torch.float32))), "fp32/fp16/bf16 CPU cache"),
     (lambda model: (Decoder(ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, bias=True)), None),
      "bias-free Llama-family"),
 ])

@@ -52,3 +52,9 @@ def test_sampling_is_reproducible_with_a_seed_and_greedy_at_zero():
     again = [sample(logits, 2.0, generator=torch.Generator().manual_seed(s)).item() for s in range(3)]
     assert draws == again
     assert sample(logits, 1.0, top_k=1).tolist() == [1]
+
+
+def test_zero_new_tokens_is_an_empty_answer():
+    decoder = model()
+    assert generate(decoder, [1, 2, 3], 0).shape == (1, 0)
+    assert generate(decoder, torch.tensor([[1, 2], [3, 4]]), 0).shape == (2, 0)

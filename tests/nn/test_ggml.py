@@ -44,6 +44,16 @@ def test_stacked_planes_compute_as_their_parts():
         stack_planes([parts[0], random_planes("q8_0", 16, 64, rng)])
 
 
+def test_a_bf16_model_keeps_the_fp32_planes():
+    """model.to(torch.bfloat16) must not narrow the scales the C kernels read as fp32."""
+    layer = GGMLLinear(random_planes("q4_1", 32, 64, np.random.default_rng(3)))
+    x = torch.randn(2, 64).bfloat16()
+    expected = layer(x.float())
+    layer.to(torch.bfloat16)
+    assert layer.scales.dtype == layer.offsets.dtype == torch.float32
+    torch.testing.assert_close(layer(x).float(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
+
+
 def test_shape_and_dtype_follow_the_input():
     planes = random_planes("q4_1", 32, 64, np.random.default_rng(1))
     y = GGMLLinear(planes)(torch.randn(2, 1, 64, dtype=torch.float64))

@@ -74,11 +74,22 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
             not all(isinstance(layer, (GGMLLinear, GGMLStack)) and len(getattr(layer, "parts", [0])) <= 3
                     for layer in stacked):
         return "every matrix must be held as GGUF blocks kvlab computes on (load with weights='gguf')"
+    q_width, dim, ffn = config.n_heads * config.head_size, config.dim, config.ffn_size
+    shapes = {"attn.qkv": (q_width + 2 * config.kv_heads * config.head_size, dim), "attn.o": (dim, q_width),
+              "mlp.gate_up": (2 * ffn, dim), "mlp.down": (dim, ffn)}
+    layers = [(block.get_submodule(name), shape) for block in model.blocks for name, shape in shapes.items()]
+    if any((layer.out_features, layer.in_features) != shape
+           for layer, shape in layers + [(model.lm_head, (config.vocab_size, dim))]):
+        return "the matrices' shapes do not match the config"
     if config.head_size % 8:
         return "the head dim must be a multiple of 8"
-    if not isinstance(cache, ContiguousCache) or cache.pre_rope or cache.float_buffers(0) is None \
-            or cache.float_buffers(0)[0].dtype not in CACHE_DTYPES:
-        return "the cache must be a contiguous fp32/fp16/bf16 cache without pre-RoPE keys"
+    buffers = cache.float_buffers(0) if isinstance(cache, ContiguousCache) and not cache.pre_rope else None
+    if buffers is None or buffers[0].dtype not in CACHE_DTYPES or buffers[0].dtype != buffers[1].dtype \
+            or buffers[0].device.type != "cpu":
+        return "the cache must be a contiguous fp32/fp16/bf16 CPU cache without pre-RoPE keys"
+    if (cache.shape.num_layers, cache.shape.kv_heads, cache.shape.k_head_dim, cache.shape.v_head_dim) != \
+            (config.n_layers, config.kv_heads, config.head_size, config.head_size):
+        return "the cache was not built for this model's layers, KV heads and head dim"
     if len(set(cache.seq_len(layer) for layer in range(config.n_layers))) != 1:
         return "every layer of the cache must hold the same number of tokens"
     return None

@@ -59,6 +59,8 @@ def generate(
     if tokens.shape[1] == 0:
         raise ValueError("generation needs at least one prompt token (a BOS token will do)")
     batch = tokens.shape[0]
+    if max_new_tokens <= 0:
+        return tokens.new_zeros((batch, 0))
     if cache is None:  # the last token is sampled, never fed back: it needs no cache slot
         cache = model.new_cache(batch, tokens.shape[1] + max_new_tokens - 1)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)

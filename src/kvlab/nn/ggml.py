@@ -50,7 +50,9 @@ def kernels() -> Optional[ctypes.CDLL]:
     if os.environ.get("KVLAB_NO_KERNELS") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, CSRC / "ggml_gemv.h")))
+    digest.update(" ".join([compiler or "", *flags]).encode())  # a new compiler or flag builds anew
     library = CACHE_DIR / f"ggml_gemv-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
         if compiler is None:
@@ -59,7 +61,6 @@ def kernels() -> Optional[ctypes.CDLL]:
             CACHE_DIR.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
                 built = Path(tmp) / library.name
-                flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
                 subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, library)  # atomic: parallel builders never load a half-written file
@@ -146,9 +147,19 @@ class GGMLLinear(nn.Module):
         self.register_buffer("codes", packed.contiguous())
         self.register_buffer("scales", planes.scales.float().contiguous())
 
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) must not narrow the scales and offsets: the C kernels read
+        # them as fp32 (and they are the file's exact values). Keep the fp32 tensors themselves.
+        kept = {name: getattr(self, name) for name in ("scales", "offsets") if getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            setattr(self, name, tensor.to(getattr(self, name).device))
+        return self
+
     def planes(self) -> tuple[int, Optional[int], Optional[int], Optional[int]]:
         """(kind, codes, scales, offsets) as the C functions take them: addresses, None for no offsets.
         Valid while this layer's buffers stay where they are (no `.to()` in between)."""
+        assert self.scales.dtype == torch.float32 and self.codes.device.type == "cpu"
         offsets = self.offsets.data_ptr() if self.offsets is not None else None
         return self.kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets
 
