@@ -1,4 +1,4 @@
-/* One decode step of a Llama-family decoder whose matrices are GGUF Q4_1 / Q8_0 blocks.
+/* One decode step of a Llama-family decoder whose matrices are planes of GGUF blocks (ggml_gemv.h).
  *
  * At batch 1 a step is ~120 small matrix-vector products; driven from Python each one pays
  * for module calls, tensor allocations and a thread fork, which on a small model costs more
