@@ -118,9 +118,8 @@ class FusedDecodeStep:
         self._struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
                                   config.ffn_size, config.vocab_size, cache.shape.batch, cache.shape.max_tokens,
                                   int(rope.style == INTERLEAVED), CACHE_DTYPES[cache.float_buffers(0)[0].dtype],
-                                  config.norm_eps, rope.cos.data_ptr(),
-                                  rope.sin.data_ptr(), self._layers, model.norm.weight.data_ptr(),
-                                  _qmatrix(model.lm_head))
+                                  config.norm_eps, rope.cos.data_ptr(), rope.sin.data_ptr(), self._layers,
+                                  model.norm.weight.data_ptr(), _qmatrix(model.lm_head))
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
