@@ -70,20 +70,28 @@ def test_half_precision_caches_equal_module_steps(kv_cache_dtype):
     check_against_module_steps(GQA, 2, kv_cache_dtype)
 
 
-def check_against_module_steps(config: ModelConfig, batch: int, kv_cache_dtype: str) -> None:
+def test_long_contexts_split_attention_into_chunks():
+    """Past 128 tokens attention runs in chunks whose softmax partials are merged (flash-decoding)."""
+    config = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 512, "name": "long"})
+    check_against_module_steps(config, 1, "auto", prompt_len=301, steps=6)  # 3 chunks, partly filled
+
+
+def check_against_module_steps(config: ModelConfig, batch: int, kv_cache_dtype: str, prompt_len: int = 5,
+                               steps: int = 20) -> None:
     model = ggml_model(config)
-    prompt = torch.randint(0, config.vocab_size, (batch, 5), generator=torch.Generator().manual_seed(1))
-    reference, cache = model.new_cache(batch, 30, kv_cache_dtype), model.new_cache(batch, 30, kv_cache_dtype)
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    total = prompt_len + steps + 5
+    reference, cache = model.new_cache(batch, total, kv_cache_dtype), model.new_cache(batch, total, kv_cache_dtype)
     with torch.inference_mode():
         ids = model(prompt, reference, last_only=True)[:, -1].argmax(-1)
         model(prompt, cache, last_only=True)
         step = FusedDecodeStep(model, cache)
-        for _ in range(20):
+        for _ in range(steps):
             expected = model(ids[:, None], reference, last_only=True)[:, -1]
             got = step(ids)
             assert_close_to_scale(got, expected)
             ids = expected.argmax(-1)
-    assert cache.seq_len(0) == reference.seq_len(config.n_layers - 1) == 25
+    assert cache.seq_len(0) == reference.seq_len(config.n_layers - 1) == prompt_len + steps
     for layer in range(config.n_layers):
         for ours, theirs in zip(cache.float_buffers(layer), reference.float_buffers(layer)):
             assert ours.dtype == theirs.dtype == {"auto": torch.float32, "fp16": torch.float16,
@@ -152,3 +160,13 @@ def test_what_cannot_be_fused_says_why(change, reason):
     assert fused_step_for(model, cache) is None
     with pytest.raises(ValueError, match="cannot fuse"):
         FusedDecodeStep(model, cache)
+
+
+def test_the_vector_exp_is_as_close_as_expf():
+    """Attention's softmax uses an 8-lane e^x (scores minus their maximum, so x <= 0)."""
+    x = torch.cat([-torch.rand(100_003, generator=torch.Generator().manual_seed(0)) * 87, torch.zeros(5)])
+    y = torch.empty_like(x)
+    kernels().exp_nonpositive(x.data_ptr(), y.data_ptr(), x.numel())
+    exact = torch.exp(x.double())
+    assert ((y.double() - exact).abs() / exact).max().item() < 2 * torch.finfo(torch.float32).eps  # measured 1.1e-7
+    assert torch.equal(y[-5:], torch.ones(5))

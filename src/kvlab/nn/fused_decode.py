@@ -25,6 +25,7 @@ from kvlab.nn.rope import INTERLEAVED
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # llama_decode.c's CACHE_*
+MAX_GROUP = 16  # llama_decode.c's MAX_GROUP
 
 # These mirror the structs of csrc/ggml_gemv.h and csrc/llama_decode.c field for field.
 
@@ -81,8 +82,8 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
     if any((layer.out_features, layer.in_features) != shape
            for layer, shape in layers + [(model.lm_head, (config.vocab_size, dim))]):
         return "the matrices' shapes do not match the config"
-    if config.head_size % 8:
-        return "the head dim must be a multiple of 8"
+    if config.head_size % 8 or config.n_heads // config.kv_heads > MAX_GROUP:
+        return f"the head dim must be a multiple of 8, with at most {MAX_GROUP} query heads per KV head"
     buffers = cache.float_buffers(0) if isinstance(cache, ContiguousCache) and not cache.pre_rope else None
     if buffers is None or buffers[0].dtype not in CACHE_DTYPES or buffers[0].dtype != buffers[1].dtype \
             or buffers[0].device.type != "cpu":

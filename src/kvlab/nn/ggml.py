@@ -72,6 +72,8 @@ def kernels() -> Optional[ctypes.CDLL]:
     lib.ggml_linear.restype = i32
     lib.ggml_dequantize.argtypes = [i32, ptr, ptr, ptr, i32, i32, ptr]
     lib.ggml_dequantize.restype = None
+    lib.exp_nonpositive.argtypes = [ptr, ptr, i32]
+    lib.exp_nonpositive.restype = None
     lib.llama_decode_step.argtypes = [ptr, i32, ptr, ptr]
     lib.llama_decode_step.restype = i32
     return lib

@@ -42,7 +42,8 @@ typedef struct {
 } llama_model;
 
 typedef struct {
-    float *normed, *qkv, *att, *gate_up, *act, *scores;
+    float *normed, *qkv, *att, *gate_up, *act;
+    float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
     int16_t *qx;
     float *dx, *sx;
 } scratch;
@@ -98,28 +99,105 @@ static void store_row(void *cache, int dtype, size_t i, const float *src, int n)
     }
 }
 
-/* Query head h of row b over tokens 0..pos of its KV head: softmax(q k / sqrt(d)) v. */
-static void attend_head(const llama_model *m, const llama_layer *l, int b, int h, int pos, const float *q,
-                        float *scores, float *out) {
-    const int d = m->head_dim, kvh = h / (m->n_heads / m->n_kv_heads), dtype = m->cache_dtype;
-    const size_t base = ((size_t)b * m->n_kv_heads + kvh) * m->capacity * d;
+/* e^x for eight lanes, x <= 0 here (scores minus their maximum): x = n ln2 + r with |r| <= ln2/2,
+ * e^r by its degree-6 Taylor-like polynomial (Cephes' coefficients), 2^n built in the exponent
+ * bits. About 1e-7 relative error, as expf; scalar expf per score cost more than the dot products. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* below, e^x is 0 to fp32's normal range anyway */
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts, for precision */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* y = e^x for n values x <= 0, with exp8 (exported so tests can hold it to expf). */
+void exp_nonpositive(const float *x, float *y, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] = expf(x[i]);
+}
+
+#define CHUNK 128 /* tokens per attention work unit */
+#define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
+
+/* Attention is split into units of (row, KV head, chunk of CHUNK tokens), so two threads stay
+ * busy however few KV heads there are, and each unit reads its keys and values once for all
+ * the query heads sharing them. A unit leaves, per query head, the chunk's softmax partials:
+ * its largest score, the sum of exp(score - largest) and the exp-weighted sum of values;
+ * `combine_heads` merges the chunks, as flash-decoding does. */
+static void attend_chunk(const llama_model *m, const llama_layer *l, int pos, int unit, const float *qkv,
+                         int width, scratch *s) {
+    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, dtype = m->cache_dtype;
+    const int chunks = pos / CHUNK + 1, c = unit % chunks, kvh = unit / chunks % hkv, r = unit / chunks / hkv;
+    const int start = c * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1;
+    const size_t base = ((size_t)r * hkv + kvh) * m->capacity * d;
     const float scale = 1.0f / sqrtf((float)d);
+    float *scores = s->scores + (size_t)unit * group * CHUNK;
+    for (int t = start; t < end; t++) {
+        __m256 acc[MAX_GROUP];
+        for (int j = 0; j < group; j++) acc[j] = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+            const __m256 k = load8(l->k_cache, dtype, base + (size_t)t * d + i);
+            for (int j = 0; j < group; j++) {
+                const float *q = qkv + (size_t)r * width + (size_t)(kvh * group + j) * d;
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), k, acc[j]);
+            }
+        }
+        for (int j = 0; j < group; j++) scores[j * CHUNK + (t - start)] = hsum(acc[j]) * scale;
+    }
+    for (int j = 0; j < group; j++) {
+        float *sj = scores + j * CHUNK, top = -INFINITY, total = 0.0f;
+        const int len = end - start;
+        for (int t = 0; t < len; t++) top = fmaxf(top, sj[t]);
+        __m256 sum = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sj + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        total = hsum(sum);
+        for (; t < len; t++) total += sj[t] = expf(sj[t] - top);
+        const size_t at = (size_t)unit * group + j;
+        s->part_max[at] = top, s->part_sum[at] = total;
+        float *out = s->part_out + at * d;
+        for (int i = 0; i < d; i++) out[i] = 0.0f;
+    }
+    for (int t = start; t < end; t++) {
+        for (int i = 0; i < d; i += 8) {
+            const __m256 v = load8(l->v_cache, dtype, base + (size_t)t * d + i);
+            for (int j = 0; j < group; j++) {
+                float *out = s->part_out + ((size_t)unit * group + j) * d + i;
+                _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(scores[j * CHUNK + (t - start)]), v,
+                                                      _mm256_loadu_ps(out)));
+            }
+        }
+    }
+}
+
+/* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
+static void combine_heads(const llama_model *m, int pos, int r, int h, const scratch *s, float *out) {
+    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, chunks = pos / CHUNK + 1;
+    const int kvh = h / group, j = h % group;
+    const size_t first = (((size_t)r * hkv + kvh) * chunks) * group + j; /* unit (r, kvh, 0), head j */
     float top = -INFINITY, total = 0.0f;
-    for (int t = 0; t <= pos; t++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(l->k_cache, dtype, base + (size_t)t * d + i), acc);
-        scores[t] = hsum(acc) * scale;
-        top = fmaxf(top, scores[t]);
-    }
-    for (int t = 0; t <= pos; t++) total += scores[t] = expf(scores[t] - top);
+    for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * group]);
     for (int i = 0; i < d; i++) out[i] = 0.0f;
-    for (int t = 0; t <= pos; t++) {
-        const __m256 p = _mm256_set1_ps(scores[t] / total);
-        for (int i = 0; i < d; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_fmadd_ps(p, load8(l->v_cache, dtype, base + (size_t)t * d + i),
-                                                      _mm256_loadu_ps(out + i)));
+    for (int c = 0; c < chunks; c++) {
+        const size_t at = first + (size_t)c * group;
+        const float weight = expf(s->part_max[at] - top);
+        total += weight * s->part_sum[at];
+        for (int i = 0; i < d; i++) out[i] += weight * s->part_out[at * d + i];
     }
+    for (int i = 0; i < d; i++) out[i] /= total;
 }
 
 /* y [rows, width] = x W^T for W stacked from parts, each writing its own columns. */
@@ -145,12 +223,12 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
             store_row(l->v_cache, m->cache_dtype, slot, heads + (hq + hkv + h) * d, d);
         }
     }
+    const int units = rows * hkv * (pos / CHUNK + 1);
 #pragma omp for schedule(static)
-    for (int bh = 0; bh < rows * hq; bh++) {
-        const int r = bh / hq, h = bh % hq;
-        attend_head(m, l, r, h, pos, s->qkv + (size_t)r * width + h * d, s->scores + (size_t)bh * (pos + 1),
-                    s->att + (size_t)r * hq * d + h * d);
-    }
+    for (int unit = 0; unit < units; unit++) attend_chunk(m, l, pos, unit, s->qkv, width, s);
+#pragma omp for schedule(static)
+    for (int rh = 0; rh < rows * hq; rh++)
+        combine_heads(m, pos, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
 #pragma omp single
     quantize_act(s->att, (size_t)rows * hq * d, s->qx, s->dx, s->sx);
     qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, m->dim, 1); /* the residual add is the accumulate */
@@ -172,10 +250,13 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
 /* Advance every row by one token at position `pos`: x [batch, dim] holds the new tokens'
  * embeddings on entry (it is the residual stream, overwritten), logits [batch, vocab] receive
  * the next-token scores, and each layer's cache gains the token at `pos`. Returns 0, -1 when
- * scratch memory cannot be had, -2 when `pos` is outside the cache. */
+ * scratch memory cannot be had, -2 when `pos` is outside the cache, -3 when more than
+ * MAX_GROUP query heads share a KV head. */
 int llama_decode_step(const llama_model *m, int pos, float *x, float *logits) {
     if (pos < 0 || pos >= m->capacity) return -2;
+    if (m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
     const int rows = m->batch, widest = m->hidden > m->dim ? m->hidden : m->dim;
+    const size_t chunk_heads = (size_t)rows * m->n_heads * (pos / CHUNK + 1); /* (unit, query head) pairs */
     const int attn_width = m->n_heads * m->head_dim > widest ? m->n_heads * m->head_dim : widest;
     scratch s = {
         .normed = malloc((size_t)rows * m->dim * sizeof(float)),
@@ -183,13 +264,17 @@ int llama_decode_step(const llama_model *m, int pos, float *x, float *logits) {
         .att = malloc((size_t)rows * m->n_heads * m->head_dim * sizeof(float)),
         .gate_up = malloc((size_t)rows * 2 * m->hidden * sizeof(float)),
         .act = malloc((size_t)rows * m->hidden * sizeof(float)),
-        .scores = malloc((size_t)rows * m->n_heads * (pos + 1) * sizeof(float)),
+        .scores = malloc(chunk_heads * CHUNK * sizeof(float)),
+        .part_max = malloc(chunk_heads * sizeof(float)),
+        .part_sum = malloc(chunk_heads * sizeof(float)),
+        .part_out = malloc(chunk_heads * m->head_dim * sizeof(float)),
         .qx = malloc((size_t)rows * attn_width * sizeof(int16_t)),
         .dx = malloc((size_t)rows * (attn_width / QK) * sizeof(float)),
         .sx = malloc((size_t)rows * (attn_width / QK) * sizeof(float)),
     };
     int status = 0;
-    if (!s.normed || !s.qkv || !s.att || !s.gate_up || !s.act || !s.scores || !s.qx || !s.dx || !s.sx) {
+    if (!s.normed || !s.qkv || !s.att || !s.gate_up || !s.act || !s.scores || !s.part_max || !s.part_sum ||
+        !s.part_out || !s.qx || !s.dx || !s.sx) {
         status = -1;
     } else {
 #pragma omp parallel
@@ -201,6 +286,7 @@ int llama_decode_step(const llama_model *m, int pos, float *x, float *logits) {
         }
     }
     free(s.normed), free(s.qkv), free(s.att), free(s.gate_up), free(s.act), free(s.scores);
+    free(s.part_max), free(s.part_sum), free(s.part_out);
     free(s.qx), free(s.dx), free(s.sx);
     return status;
 }
