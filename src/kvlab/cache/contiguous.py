@@ -38,9 +38,9 @@ class ContiguousCache(KVCache):
     def float_buffers(self, layer: int) -> Optional[tuple[Tensor, Tensor]]:
         """Layer `layer`'s K and V storage [B, H, max_tokens, D] when rows are stored as plain
         floats (what a fused decode step writes into), else None."""
-        k, v = self.k_rows[layer].buffers, self.v_rows[layer].buffers
-        if set(k) == set(v) == {"x"} and type(self.k_rows[layer].codec) is type(self.v_rows[layer].codec) is FloatCodec:
-            return k["x"], v["x"]
+        k, v = self.k_rows[layer], self.v_rows[layer]
+        if type(k.codec) is type(v.codec) is FloatCodec:  # one plane, "x", of rows as stored
+            return k.buffers["x"], v.buffers["x"]
         return None
 
     def advance(self, tokens: int = 1) -> None:

@@ -207,8 +207,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, packing: str = "den
     `packing` says how matrices stored quantised are kept: "dense" dequantises everything into
     `dtype`; "gguf" keeps Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks as planes and computes on them
     (GGMLLinear, the fastest at batch 1); "int4" keeps 4-bit matrices (Q4_0/Q4_1/Q4_K) for
-    PyTorch's int4 kernel (Int4Linear). Matrices a packing cannot hold are dequantised; activations, norms and the
-    KV cache are in `dtype` either way.
+    PyTorch's int4 kernel (Int4Linear). Matrices a packing cannot hold are dequantised;
+    activations, norms and the KV cache are in `dtype` either way.
     """
     file = read_gguf(path)
     embed = file.tensors.get("token_embd.weight")

@@ -4,8 +4,8 @@ The decode loop is deliberately small (gpt-fast's shape): the cache is allocated
 prompt + new tokens, each step feeds one token per sequence and asks only for the last
 position's logits, and nothing else happens in Python between steps but sampling and the
 streaming callback. Where the model and cache allow it (a Llama-family model on GGUF blocks,
-a contiguous fp32/fp16/bf16 cache) each decode step is one C call (kvlab.nn.fused_decode); `fused=False`
-keeps the module-by-module path.
+a contiguous fp32/fp16/bf16 cache) each decode step is one C call (kvlab.nn.fused_decode);
+`fused=False` keeps the module-by-module path.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class Decoder(nn.Module):
         for name, module in modules.items():
             model.set_submodule(name, module)
         result = model.load_state_dict(state, assign=True, strict=False)
-        missing = {key for key in result.missing_keys if not any(key.startswith(f"{name}.") for name in modules)}
+        replaced = tuple(f"{name}." for name in modules)  # their tensors came with the modules
+        missing = {key for key in result.missing_keys if not key.startswith(replaced)}
         if result.unexpected_keys or missing - ({"lm_head.weight"} if config.tie_embeddings else set()):
             raise PlanError(f"checkpoint tensors do not match the {config.name} config: {result}")
         if config.tie_embeddings and "lm_head" not in modules:
