@@ -2,7 +2,8 @@
 
 Each sub-command module exposes `add_parser(subparsers)` and `run(args) -> int`, and is
 imported only when chosen, so `kvlab plan` never pays for torch.
-User mistakes raise `PlanError` (or a subclass) and end here as one line on stderr, exit 2.
+User mistakes raise `KvlabError` (PlanError, CacheError, ...) and end here as one line on stderr,
+exit 2; a machine that fails kvlab (`KvlabEnvironmentError`, a kernel build) is one line, exit 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from kvlab import __version__
-from kvlab.plan.errors import PlanError
+from kvlab.errors import KvlabEnvironmentError, KvlabError
 
 # name -> (module under kvlab.commands, one-line help)
 COMMANDS = {
@@ -56,9 +57,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         return int(args.run(args) or 0)
-    except PlanError as error:
+    except KvlabError as error:
         print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KvlabEnvironmentError as error:
+        print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
+        return 1
     except FileNotFoundError as error:
         print(f"kvlab {args.command}: error: no such file: {error.filename or error}", file=sys.stderr)
         return 2

@@ -33,9 +33,18 @@ def test_kivi_quantises_whole_groups_beyond_the_window(tokens: int, residual: in
     cache = kivi(residual=residual)
     for _ in range(tokens):  # decode one token at a time
         cache.update(0, torch.randn(B, H, 1, DK), torch.randn(B, H, 1, DV))
-        quantised = cache.quantised_tokens()
-        assert quantised == kivi_quantised_tokens(cache.seq_len(), G, residual)
-        assert residual <= cache.seq_len() - quantised < residual + G or quantised == 0
+        quantised, held = cache.quantised_tokens(), cache.seq_len()
+        assert quantised == max(0, held - residual) // G * G  # whole groups of G beyond the residual
+        assert residual <= held - quantised < residual + G or quantised == 0
+    assert quantised == kivi_quantised_tokens(tokens, G, residual)
+
+
+@pytest.mark.parametrize("tokens,quantised", [(15, 0), (23, 0), (24, 8), (31, 8), (32, 16), (69, 48)])
+def test_kivi_quantised_counts_worked_by_hand(tokens: int, quantised: int) -> None:
+    """G=8, R=16: nothing until R + G tokens, then a group of 8 at every 8 more (hand-counted)."""
+    cache = kivi()
+    cache.update(0, torch.randn(B, H, tokens, DK), torch.randn(B, H, tokens, DV))
+    assert cache.quantised_tokens() == kivi_quantised_tokens(tokens, G, R) == quantised
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+from needs import require_kernels, require_module
+
+gguf = require_module("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
@@ -20,7 +22,7 @@ from gguf import quants  # noqa: E402
 from kvlab.checkpoints.gguf import config_from_gguf, load_weights, read_gguf  # noqa: E402
 from kvlab.checkpoints.gguf_planes import planes_from_blocks  # noqa: E402
 from kvlab.nn.generate import generate  # noqa: E402
-from kvlab.nn.ggml import GGMLLinear, GGMLStack, kernels  # noqa: E402
+from kvlab.nn.ggml import GGMLLinear, GGMLStack  # noqa: E402
 from kvlab.nn.model import Decoder  # noqa: E402
 
 DIM, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 64, 4, 2, 2  # K-quant blocks hold 256 weights
@@ -110,8 +112,8 @@ def test_every_type_loads_as_its_f32_twin(twin_files):
         assert torch.equal(ours[name], reference[name]), name
 
 
-@pytest.mark.skipif(kernels() is None, reason="no C compiler or no AVX2 here")
 def test_block_packing_keeps_every_matrix_and_fuses_mixed_stacks(twin_files):
+    require_kernels()
     typed, _ = twin_files
     dense, packed = build(typed, "dense"), build(typed, "gguf")
     kinds = {name: module.kind for name, module in packed.named_modules() if isinstance(module, GGMLLinear)}
@@ -139,5 +141,11 @@ def test_planes_decode_exactly_as_gguf(kind):
     data, decoded = stored(kind, 8, 512, np.random.default_rng(5))
     planes = planes_from_blocks(data, kind.name, 512)
     assert torch.equal(planes.dense(), torch.from_numpy(decoded))
-    if kernels() is not None:
-        assert torch.equal(GGMLLinear(planes).weight, torch.from_numpy(decoded))
+
+
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0, T.Q6_K])
+def test_kernels_read_the_planes_as_gguf_decodes_them(kind):
+    require_kernels()
+    data, decoded = stored(kind, 8, 512, np.random.default_rng(5))
+    planes = planes_from_blocks(data, kind.name, 512)
+    assert torch.equal(GGMLLinear(planes).weight, torch.from_numpy(decoded))

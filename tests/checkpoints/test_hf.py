@@ -1,6 +1,8 @@
 """Hugging Face directories: save then load returns the same tensors, tokenizer and logits."""
 
 import pytest
+
+from needs import require_module
 import torch
 
 from kvlab.checkpoints.hf import load_hf, save_hf
@@ -22,7 +24,7 @@ def test_llama_round_trip_with_tokenizer(stories, tmp_path):
 
 
 def test_transformers_reads_our_directory(stories, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     save_hf(stories.model, str(tmp_path))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     tokens = torch.tensor([stories.tokenizer.encode("Lily saw a cat")])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvlab.nn.generate import generate
+from needs import require_kernels
 
 PROMPT = "The capital of France is"
 
@@ -29,8 +30,8 @@ def test_greedy_continuation_is_paris(smollm2):
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    transformers = require_module("transformers")
+    require_module("accelerate")  # transformers needs it to read GGUF
     directory, name = os.path.split(smollm2_path)
     return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
 
@@ -40,7 +41,8 @@ def test_logits_equal_transformers(smollm2, hf_model):
     ids = torch.tensor([smollm2.tokenizer.encode("Kings and queens of the old world ate bread, 12 apples and")])
     with torch.inference_mode():
         ours, theirs = smollm2.model(ids), hf_model(ids).logits
-    assert (ours - theirs).abs().max().item() < 2e-4  # logits span about +-30
+    # The README's claim: within 1e-4 (measured 3.7e-5, summation order only) on logits spanning about +-30.
+    assert (ours - theirs).abs().max().item() < 1e-4
 
 
 @pytest.mark.slow
@@ -56,7 +58,7 @@ def test_greedy_32_tokens_equal_transformers(smollm2, hf_model):
 
 @pytest.mark.slow
 def test_tokenizer_equals_transformers_gguf_tokenizer(smollm2, smollm2_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     directory, name = os.path.split(smollm2_path)
     theirs = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
     for text in ["Hello world, how are you?  fine.\n\tTabs", "naïve café – “quotes”", "<|im_start|>user\nHi"]:
@@ -79,10 +81,8 @@ def test_planes_read_exactly(smollm2_path, name):
 @pytest.fixture(scope="module")
 def smollm2_gguf(smollm2_path):
     from kvlab.checkpoints.gguf import load_gguf
-    from kvlab.nn.ggml import kernels
 
-    if kernels() is None:
-        pytest.skip("no C compiler or no AVX2 here")
+    require_kernels()
     model, tokenizer, _ = load_gguf(smollm2_path, torch.float32, "gguf")
     assert model.packing == "gguf"
     return model
@@ -111,6 +111,7 @@ def test_int4_model_agrees_with_dense_model(smollm2_path, smollm2):
     ids = tokenizer.encode(PROMPT)
     with torch.inference_mode():
         dense, packed = smollm2.model(torch.tensor([ids[:1]])), model(torch.tensor([ids[:1]]))
-    assert (dense - packed).abs().max().item() < 1.5  # logits span about +-30
+    # int4 weights (groups of 128) with bf16 activations: measured 0.73 on logits spanning about +-27.
+    assert (dense - packed).abs().max().item() < 1.0
     # " Paris.\n\nThe": after that the two pick different, near-tied continuations
     assert generate(model, ids, 5)[0].tolist() == generate(smollm2.model, ids, 5)[0].tolist()

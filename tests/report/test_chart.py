@@ -4,6 +4,8 @@ import shutil
 
 import pytest
 
+from needs import require_browser, require_module
+
 from kvlab.cli import main
 from kvlab.plan.hardware import device
 from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
@@ -41,10 +43,8 @@ def test_chart_command_writes_html_and_png(tmp_path):
 
 
 def _browser():
-    webdriver = pytest.importorskip("selenium.webdriver")
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not driver:
-        pytest.skip("chromium and chromedriver are not installed")
+    webdriver = require_module("selenium.webdriver")
+    chromium, driver = require_browser()
     from selenium.webdriver.chrome.service import Service
     options = webdriver.ChromeOptions()
     options.binary_location = chromium

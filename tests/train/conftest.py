@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-# ../shared next to the repository root (tests/train/conftest.py -> parents[3] holds both)
-SHARED_TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+from needs import SHAKESPEARE, require_file
 
 
 @pytest.fixture
@@ -20,9 +19,7 @@ def text_file(tmp_path) -> Path:
 
 @pytest.fixture
 def shakespeare() -> Path:
-    if not SHARED_TEXT.exists():
-        pytest.skip(f"{SHARED_TEXT} is not present")
-    return SHARED_TEXT
+    return require_file(SHAKESPEARE, "../shared/data/tinyshakespeare.txt")
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
     python -m kvlab.bench.decode_speed [--json PATH] [--new-tokens 128] [--repeats 3]
 
 Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers with `gguf_file=`),
-take the same 32-token prompt and produce exactly `--new-tokens` tokens greedily; each
+take the same prompt (24 tokens with SmolLM2's tokenizer; at most 32 are kept) and produce exactly `--new-tokens` tokens greedily; each
 timing covers prefill and decode, as a user waiting for the text sees them. The result is the
 median of `--repeats` runs after one warm-up, the engines taking turns so that load from
 other processes on a shared machine falls on all of them alike. kvlab computes on the file's

@@ -11,17 +11,27 @@ from pathlib import Path
 from typing import Optional
 
 
-def git_commit() -> Optional[str]:
-    """The repository's HEAD (with "+dirty" when files differ), or None outside a checkout."""
+def git_state() -> tuple[Optional[str], list[str]]:
+    """HEAD's commit and the tracked files that differ from it, or (None, []) outside a checkout.
+
+    "+dirty" alone cannot tell a result measured with edited kernels from one measured while a
+    report's README was being edited; the list of files can.
+    """
     root = Path(__file__).resolve().parents[3]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "")
+        return None, []
+    return commit, sorted(line[3:] for line in status.splitlines() if line.strip())
+
+
+def git_commit() -> Optional[str]:
+    """The repository's HEAD (with "+dirty" when tracked files differ), or None outside a checkout."""
+    commit, dirty = git_state()
+    return None if commit is None else commit + ("+dirty" if dirty else "")
 
 
 def cpu_name() -> str:
@@ -47,6 +57,7 @@ def provenance(threads: Optional[int] = None) -> dict:
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
                     "platform": platform.platform()},
         "git_commit": git_commit(),
+        "git_dirty_files": git_state()[1],
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

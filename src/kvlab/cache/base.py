@@ -14,13 +14,14 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
+from kvlab.errors import KvlabError
 from kvlab.plan.kv_formats import KVFormat
 
 Rope = Callable[[Tensor, Tensor], Tensor]  # rope(x [B, H, T, D], positions [T]) -> x rotated
 COMPUTE_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-class CacheError(ValueError):
+class CacheError(KvlabError):
     """Misuse of a cache (wrong shape, full cache, unsupported option): a caller's mistake."""
 
 

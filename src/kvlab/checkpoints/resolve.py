@@ -64,8 +64,9 @@ def stories260k_path() -> str:
                     f"{', '.join(str(d) for d in shared_dirs())}; set KVLAB_SHARED to the shared folder")
 
 
-def resolve_model_path(name: str) -> str:
+def resolve_model_path(name: "str | os.PathLike[str]") -> str:
     """A known name's file, or `name` itself when it is a .gguf file or a model directory."""
+    name = os.fspath(name)
     key = name.strip().lower()
     if key in ("smollm2-135m", "smollm2"):
         return smollm2_path()

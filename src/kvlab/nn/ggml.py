@@ -16,8 +16,10 @@ matrices. Prompts (PREFILL_ROWS rows or more) dequantise each matrix in C and us
 float GEMM. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
-loaded with ctypes (no torch headers, so it builds in about a second). Where that cannot
-happen (no compiler, no AVX2), `kernels()` is None and loaders fall back to other layers.
+loaded with ctypes (no torch headers, so it builds in about a second). Where the machine
+cannot have them (no compiler, no AVX2), `kernels()` is None and loaders fall back to other
+layers; a compiler that fails raises KernelBuildError instead, so a broken build is never
+mistaken for a machine without AVX2.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from kvlab.errors import KvlabEnvironmentError
 from torch.nn import functional as F
 
 QK = 32
@@ -44,19 +48,53 @@ SOURCES = (CSRC / "ggml_gemv.c", CSRC / "llama_decode.c")  # built into one libr
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 
-@lru_cache(maxsize=1)
+class KernelBuildError(KvlabEnvironmentError):
+    """The C kernels failed to compile on a machine that has a compiler and AVX2: a broken
+    build, never a reason to fall back quietly (the fused step is the default decode path)."""
+
+
+def kernels_unavailable() -> Optional[str]:
+    """Why this machine cannot have the kernels (no AVX2, no compiler, switched off), or None."""
+    if os.environ.get("KVLAB_NO_KERNELS"):
+        return "KVLAB_NO_KERNELS is set"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"this CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if _compiler() is None:
+        return f"no C compiler ({os.environ.get('CC', 'cc')} or gcc) on PATH"
+    return None
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+_BUILD_FAILURE: list[KernelBuildError] = []  # a failed build is remembered, not retried every call
+
+
 def kernels() -> Optional[ctypes.CDLL]:
-    """The compiled kernels, or None where this machine cannot build or run them."""
-    if os.environ.get("KVLAB_NO_KERNELS") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    """The compiled kernels, or None where this machine cannot have them (`kernels_unavailable`).
+
+    Raises KernelBuildError when a compiler and AVX2 are present but the build fails.
+    """
+    if _BUILD_FAILURE:
+        raise _BUILD_FAILURE[0]
+    try:
+        return _load_kernels()
+    except KernelBuildError as error:
+        _BUILD_FAILURE.append(error)
+        raise
+
+
+@lru_cache(maxsize=1)
+def _load_kernels() -> Optional[ctypes.CDLL]:
+    if kernels_unavailable() is not None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = _compiler()
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, CSRC / "ggml_gemv.h")))
-    digest.update(" ".join([compiler or "", *flags]).encode())  # a new compiler or flag builds anew
+    digest.update(" ".join([compiler, *flags]).encode())  # a new compiler or flag builds anew
     library = CACHE_DIR / f"ggml_gemv-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
-        if compiler is None:
-            return None
         try:
             CACHE_DIR.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
@@ -64,8 +102,12 @@ def kernels() -> Optional[ctypes.CDLL]:
                 subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
                                capture_output=True, timeout=120)
                 os.replace(built, library)  # atomic: parallel builders never load a half-written file
-        except (OSError, subprocess.SubprocessError):
-            return None
+        except subprocess.CalledProcessError as error:
+            detail = (error.stderr or b"").decode(errors="replace").strip().splitlines()
+            raise KernelBuildError(f"building kvlab's C kernels with {compiler} failed (exit {error.returncode})"
+                                   + (f": {detail[0]}" if detail else "")) from None
+        except (OSError, subprocess.SubprocessError) as error:
+            raise KernelBuildError(f"building kvlab's C kernels with {compiler} failed: {error}") from None
     lib = ctypes.CDLL(str(library))
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.ggml_linear.argtypes = [i32, ptr, ptr, ptr, i32, i32, i32, ptr, ptr]

@@ -39,12 +39,12 @@ def quality(results: dict) -> list[str]:
 
 
 def memory(results: dict) -> list[str]:
-    checks = []
-    for run in results["runs"]:
-        for batch, pair in run.get("kv_bytes_by_batch", {}).items():
-            checks.append((run["variant"], f"decode batch {batch}", pair["formula"], pair["measured"]))
+    checks = []  # one per measurement: decode once per variant and batch, prefill per context
+    for name, cells in (results.get("decode") or {}).items():
+        checks += [(name, f"decode batch {b}", c["kv_bytes_formula"], c["kv_bytes_measured"]) for b, c in cells.items()]
     for name, rows in (results.get("cache_bytes_prefill") or {}).items():
         checks += [(name, f"prefill {r['context']}", r["kv_bytes_formula"], r["kv_bytes_measured"]) for r in rows]
+    decode_checks = sum(1 for c in checks if c[1].startswith("decode"))
     out = []
     if checks:
         bad = [c for c in checks if c[2] != c[3]]
@@ -53,7 +53,8 @@ def memory(results: dict) -> list[str]:
                        f"cache.nbytes(): {bad[:3]}.")
         else:
             out.append(f"- Cache bytes: kvlab.plan's formula and the bytes of the tensors the cache held agree exactly "
-                       f"in all {len(checks)} checks (every run's decode at each batch, prefill at several contexts).")
+                       f"in all {len(checks)} measurements ({decode_checks} decodes: each variant at each batch, on seed 0's "
+                       f"weights; {len(checks) - decode_checks} prefills at several contexts).")
     by_name = {v["variant"]: v["kv_bytes_per_token"] for v in results["variants"]}
     if "mha" in by_name:
         ratios = ", ".join(f"{n} {b / by_name['mha']:.3f}x ({b:,} B)" for n, b in by_name.items() if n != "mha")

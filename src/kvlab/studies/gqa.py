@@ -198,7 +198,7 @@ class GqaStudy:
             "provenance": self.provenance(),
             "variants": [self.describe(v) for v in self.variants],
             "summary": summarise(runs),
-            "runs": [run_record(run, speed) for run in runs],
+            "runs": [run_record(run) for run in runs],
             "decode": speed, "cache_bytes_prefill": cache_bytes,
             "uptraining": list(uptraining), "uptrain_control": control,
         }
@@ -255,21 +255,16 @@ def _bytes_per_token(variant: Variant) -> int:
     return int(kv_bytes_per_token(variant.config.to_plan_spec(), cache_formats("auto", model_dtype="fp32")))
 
 
-def run_record(run: dict, speed: Optional[dict]) -> dict:
-    """One trained model's record: quality from its own run, bytes and speed from its variant."""
-    record = {key: run[key] for key in ("variant", "kv_heads", "seed", "params", "steps", "val_loss",
-                                        "train_tokens_per_s", "train_seconds", "wall_seconds")}
-    cells = (speed or {}).get(run["variant"], {})
-    first = cells.get("1") or next(iter(cells.values()), None)
-    record["kv_bytes_formula"] = first["kv_bytes_formula"] if first else None
-    record["kv_bytes_measured"] = first["kv_bytes_measured"] if first else None
-    record["kv_context"] = first["context"] if first else None
-    record["kv_bytes_by_batch"] = {b: {"formula": c["kv_bytes_formula"], "measured": c["kv_bytes_measured"]}
-                                   for b, c in cells.items()}
-    record["decode_tokens_per_s"] = {b: c["tokens_per_s_median"] for b, c in cells.items()}
-    record["sample"] = run["sample"]
-    record["history"] = run["history"]
-    return record
+def run_record(run: dict) -> dict:
+    """One trained model's record: what its own run measured, nothing more.
+
+    Decode speed and cache bytes are measured once per variant (on seed 0's weights) and live
+    in the results' "decode" section; copying them into every seed's record would count one
+    measurement as several.
+    """
+    keys = ("variant", "kv_heads", "seed", "params", "steps", "val_loss", "train_tokens_per_s", "train_seconds",
+            "wall_seconds", "sample", "history")
+    return {key: run[key] for key in keys}
 
 
 def summarise(runs: list[dict]) -> dict:
