@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvlab.cache.step import StepBatch
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.rope import RoPE
 
@@ -55,8 +56,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.bias)
         self.o = nn.Linear(self.q_size, config.dim, bias=config.bias)
 
-    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
-        """x [B,T,dim] at positions start..start+T-1; `cache` (a kvlab.cache.KVCache) grows by T."""
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0,
+                step: Optional[StepBatch] = None) -> torch.Tensor:
+        """x [B,T,dim] at positions start..start+T-1; `cache` (a kvlab.cache.KVCache) grows by T.
+
+        With `step`, x [1, N, dim] is several sequences' new tokens packed in one row and
+        `cache` is the engine's KVPool: positions, pool slots and block tables come from `step`.
+        """
+        if step is not None:
+            return self._forward_step(x, rope, cache, layer, step)
         batch, new, _ = x.shape
         heads = self.qkv(x).view(batch, new, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_and_k = self.n_heads + self.n_kv_heads
@@ -71,3 +79,19 @@ class Attention(nn.Module):
             k, v = cache.update(layer, k, v)
         y = attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))
+
+    def _forward_step(self, x: torch.Tensor, rope: RoPE, pool, layer: int, step: StepBatch) -> torch.Tensor:
+        """The packed, paged path: one projection for every sequence's tokens, attention per sequence."""
+        tokens = x.shape[1]
+        heads = self.qkv(x[0]).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(0, 1)
+        q_and_k = self.n_heads + self.n_kv_heads
+        rotated = rope.at(heads[:q_and_k], step.positions)  # [Hq + Hkv, N, D], each token at its own position
+        q, k, v = rotated[:self.n_heads], rotated[self.n_heads:], heads[q_and_k:]
+        pool.write(layer, k.transpose(0, 1), v.transpose(0, 1), step.slot_mapping)
+        outs, at = [], 0
+        for new, context, table in zip(step.query_lens, step.context_lens, step.block_tables):
+            keys, values = pool.read(layer, table, context)
+            outs.append(attend(q[None, :, at:at + new], keys[None], values[None])[0])
+            at += new
+        y = torch.cat(outs, dim=1)  # [Hq, N, D]
+        return self.o(y.transpose(0, 1).reshape(1, tokens, self.q_size))

@@ -30,8 +30,11 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
         self.mlp = make_mlp(config.mlp, config.dim, config.ffn_size, config.bias)
 
-    def forward(self, x: torch.Tensor, rope: RoPE, start: int, cache, layer: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, start, cache, layer)
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int, cache, layer: int, step=None) -> torch.Tensor:
+        if step is None:
+            x = x + self.attn(self.attn_norm(x), rope, start, cache, layer)
+        else:
+            x = x + self.attn(self.attn_norm(x), rope, start, cache, layer, step)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -99,14 +102,21 @@ class Decoder(nn.Module):
         """The activations' dtype (the norms'); big matrices may be stored narrower (bf16, int4)."""
         return self.norm.weight.dtype
 
-    def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
-        """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs)."""
-        start = cache.seq_len(0) if cache is not None else 0
+    def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False, step=None) -> torch.Tensor:
+        """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs).
+
+        With `step` (a kvlab.cache.StepBatch) tokens [1, N] are several sequences' new tokens
+        packed in one row, `cache` is a kvlab.cache.KVPool, and `last_only` keeps each sequence's
+        last token: logits [1, num_seqs, vocab].
+        """
+        if step is not None and self.config.attention == "mla":
+            raise PlanError("MLA models do not run on the paged pool yet")
+        start = cache.seq_len(0) if cache is not None and step is None else 0
         x = self.embed(tokens)
         for layer, block in enumerate(self.blocks):
-            x = block(x, self.rope, start, cache, layer)
+            x = block(x, self.rope, start, cache, layer, step)
         if last_only:
-            x = x[:, -1:]
+            x = x[:, step.last_token_index()] if step is not None else x[:, -1:]
         return self.lm_head(self.norm(x))
 
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",

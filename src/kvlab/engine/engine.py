@@ -1,0 +1,232 @@
+"""The engine loop: requests in, token deltas out. `step()` = schedule, run, post-process, return.
+
+The pool is sized once from a memory budget with kvlab.plan's bytes per block (the same
+arithmetic as `kvlab plan --engine vllm`), and the engine logs vLLM's start-up lines for it.
+Everything a request holds goes back to the pool when it finishes, is aborted or fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from kvlab.cache.base import model_dtype_name
+from kvlab.cache.pool import KVPool
+from kvlab.engine.block_manager import BlockManager
+from kvlab.engine.detokenizer import Detokenizer
+from kvlab.engine.errors import RequestError
+from kvlab.engine.outputs import StepDelta
+from kvlab.engine.runner import ModelRunner
+from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.scheduler import Scheduler, SchedulerConfig
+from kvlab.engine.sequence import Sequence as Seq
+from kvlab.plan.capacity import cache_formats
+from kvlab.plan.vllm_blocks import vllm_capacity
+
+log = logging.getLogger("kvlab.engine")
+DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
+
+
+@dataclass
+class EngineConfig:
+    """vLLM's knobs (plus the seeds' max_wait_ms); see `kvlab serve --help`."""
+
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: Optional[int] = None  # bytes for the pool; None: a fraction of available memory
+    kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # None: the model's own context length
+    max_wait_ms: float = 0.0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    fused: bool = True  # run decode steps in C where the model and pool allow
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the machine can give without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: Optional[EngineConfig] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.config = config = config or EngineConfig()
+        self.clock = clock
+        mc = model.config
+        self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
+        if config.max_model_len and config.max_model_len > mc.max_seq_len:
+            raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
+        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
+        formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
+        self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size)
+        num_blocks = self.capacity["num_gpu_blocks"]
+        if num_blocks < 1:
+            raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
+                               f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
+        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.max_wait_ms), self.blocks)
+        paged_step = None
+        if config.fused:
+            from kvlab.nn.paged_decode import paged_step_for
+            paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.pool, config.seed, paged_step)
+        self.decode_path = "fused C step" if paged_step is not None else "module by module"
+        self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.on_finish: list[Callable[[Seq], None]] = []
+        for line in self.capacity["log_lines"]:
+            log.info(line)
+
+    @property
+    def capacity_lines(self) -> list[str]:
+        return list(self.capacity["log_lines"])
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def encode(self, prompt: Union[str, Sequence[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send token ids", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+    def add_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None, now: Optional[float] = None) -> Seq:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        seq = Seq(request_id, ids, params, self.clock() if now is None else now)
+        self.scheduler.add(seq)  # refuses what can never fit
+        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
+                                     if self.tokenizer is not None else None)
+        self.prompt_tokens_total += len(ids)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is (waiting or running) and free its blocks; unknown ids are ignored."""
+        entry = self.requests.pop(request_id, None)
+        if entry is not None:
+            self._finish(entry[0], "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def step(self, now: Optional[float] = None) -> list[StepDelta]:
+        """One step. `now` (seconds) overrides the engine's clock: a simulator's virtual time."""
+        virtual = now is not None
+        now = now if virtual else self.clock()
+        scheduled = self.scheduler.schedule(now)
+        if not scheduled:
+            return []
+        try:
+            sampled = self.runner.run(scheduled)
+        except Exception as error:  # noqa: BLE001 - the step's requests fail; the engine and others go on
+            log.exception("a model step failed")
+            deltas = []
+            for seq in scheduled.seqs:
+                self.requests.pop(seq.request_id, None)
+                self._finish(seq, "abort", f"{type(error).__name__}: {error}")
+                deltas.append(StepDelta(seq.request_id, finished=True, finish_reason="abort",
+                                        error=seq.error))
+            return deltas
+        done = now if virtual else self.clock()
+        deltas = []
+        for seq, draw in zip(scheduled.seqs, sampled):
+            self.blocks.commit_full_blocks(seq)
+            if draw is not None:
+                deltas.append(self._append(seq, draw, done))
+        return deltas
+
+    def _append(self, seq: Seq, draw, now: float) -> StepDelta:
+        seq.output_ids.append(draw.token_id)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        self.generation_tokens_total += 1
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(draw)
+        delta = StepDelta(seq.request_id, [draw.token_id], logprobs=[draw] if seq.params.logprobs is not None else [])
+        detok = self.requests[seq.request_id][1]
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
+        reason = None
+        if draw.token_id in seq.params.stop_token_ids or (draw.token_id == eos and not seq.params.ignore_eos):
+            reason = "stop"
+        elif detok is not None:
+            delta.text, matched = detok.push(draw.token_id)
+            if matched is not None:
+                reason = "stop"
+        if reason is None and (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if detok is not None:
+                delta.text += detok.flush()
+            delta.finished, delta.finish_reason = True, reason
+            self.requests.pop(seq.request_id, None)
+            self._finish(seq, reason)
+        return delta
+
+    def _finish(self, seq: Seq, reason: str, error: Optional[str] = None) -> None:
+        seq.error = error
+        self.scheduler.finish(seq, reason)
+        for callback in self.on_finish:
+            callback(seq)
+
+    def text_of(self, request_id: str) -> Optional[str]:
+        entry = self.requests.get(request_id)
+        return entry[1].text if entry and entry[1] is not None else None
+
+    @torch.inference_mode()
+    def run_until_done(self, max_steps: Optional[int] = None) -> list[StepDelta]:
+        """Step until no request is left (tests and the offline API); returns every delta."""
+        out: list[StepDelta] = []
+        for _ in (range(max_steps) if max_steps else itertools.count()):
+            if not self.has_unfinished():
+                break
+            deadline = self.scheduler.next_deadline()
+            deltas = self.step()
+            if not deltas and deadline is not None and not self.scheduler.running:
+                time.sleep(max(0.0, min(0.05, deadline - self.clock())))
+            out += deltas
+        return out

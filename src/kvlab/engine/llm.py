@@ -1,0 +1,80 @@
+"""The offline API, as vLLM's: `LLM(model, ...).generate(prompts, SamplingParams(...))`.
+
+    from kvlab import LLM, SamplingParams
+    llm = LLM("smollm2-135m", kv_cache_dtype="fp16")
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(out[0].outputs[0].text, out[0].outputs[0].finish_reason)
+
+All prompts go into one engine at once and are batched continuously; outputs come back in
+the order of the prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from kvlab.engine.engine import EngineConfig, LLMEngine
+from kvlab.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvlab.engine.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", threads: Optional[int] = None):
+    """(model, tokenizer) for a name, a .gguf file or a Hugging Face directory, as `kvlab generate` loads it."""
+    import torch
+
+    from kvlab.checkpoints.resolve import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    packing = weights
+    if packing == "auto":
+        from kvlab.nn.ggml import kernels
+        packing = "gguf" if kernels() is not None else "dense"
+    loaded = load_model(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], packing)
+    return loaded.model, loaded.tokenizer
+
+
+class LLM:
+    def __init__(self, model: str, *, weights: str = "auto", dtype: str = "fp32", threads: Optional[int] = None,
+                 **engine_args) -> None:
+        """`engine_args` are EngineConfig's fields: kv_cache_dtype, kv_cache_memory, block_size, max_num_seqs, ..."""
+        net, tokenizer = load_for_engine(model, weights, dtype, threads)
+        self.engine = LLMEngine(net, tokenizer, EngineConfig(**engine_args))
+
+    def generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Union[SamplingParams,
+                 list[SamplingParams], None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        engine = self.engine
+        seqs = [engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        texts = {seq.request_id: [] for seq in seqs}
+        bar = None
+        if use_tqdm:
+            from kvlab.train.progress import progress_bar
+            bar = progress_bar(len(seqs), "requests", unit="req")
+        while engine.has_unfinished():
+            for delta in engine.step():
+                texts[delta.request_id].append(delta.text)
+                if delta.finished and bar is not None:
+                    bar.update()
+        if bar is not None:
+            bar.close()
+        return [RequestOutput(seq.request_id, p if isinstance(p, str) else None, seq.prompt_ids,
+                              [CompletionOutput(0, "".join(texts[seq.request_id]), list(seq.output_ids),
+                                                seq.finish_reason, seq.logprobs or None)], True,
+                              RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token_time,
+                                             seq.last_token_time, seq.num_cached_prompt, seq.preemptions))
+                for p, seq in zip(prompts, seqs)]
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        # as `kvlab generate --chat`: the template's text, with the tokenizer's BOS rule when it has one
+        prompts = [tokenizer.encode(tokenizer.render_chat(c), add_bos=False if tokenizer.bos_id is None else None)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,117 @@
+"""SamplingParams (vLLM's names and defaults) and the sampler that applies them per request.
+
+Each request carries its own settings, so one step's batch may mix greedy and sampled rows.
+Greedy rows take the argmax (deterministic); sampled rows apply temperature, then top_k,
+top_p and min_p to the scaled distribution, in vLLM's order, and draw with the request's
+own generator when it set a seed (so a seeded request gives the same text in any batch).
+Logprobs are of the model's raw distribution (log_softmax of the logits), as vLLM returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from kvlab.engine.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for; `validate` raises RequestError naming the bad field."""
+
+    max_tokens: Optional[int] = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N log-probabilities per generated token
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(param: str, message: str) -> RequestError:
+            return RequestError(f"{param} {message}", param)
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", f"must be non-negative, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer from 0 to 20, got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Sampled:
+    """One row's draw: the token, its log-probability and, when asked, the top-N alternatives."""
+
+    token_id: int
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list[tuple[int, float]]] = None
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [V] scaled by temperature, with tokens outside top_k / top_p / min_p at -inf."""
+    x = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass strictly ahead of each token
+        drop = before >= params.top_p  # keeps the smallest set whose mass reaches top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[Optional[torch.Generator]], default: torch.Generator) -> list[Sampled]:
+    """One token per row of logits [S, V], each row with its own request's settings."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            token = greedy[row]
+        else:
+            probs = torch.softmax(filtered_logits(logits[row], p), dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen or default))
+        sampled = Sampled(token)
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits[row].float(), dim=-1)
+            sampled.logprob = float(logp[token])
+            if p.logprobs:
+                top = torch.topk(logp, p.logprobs)
+                sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+        out.append(sampled)
+    return out
