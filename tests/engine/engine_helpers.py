@@ -1,0 +1,48 @@
+"""Shared by the engine tests: a reference decode, an engine factory, and the pool-is-free check."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+from kvlab.nn.generate import generate
+
+PROMPTS = ["Once upon a time", "The cat sat on the mat and", "Lily and Ben went to the park. They saw a big",
+           "One day", "Tom had a red ball. He liked to", "The sun was hot", "Mom said"]
+
+
+def reference(model, tokenizer, prompt: str, max_tokens: int, kv_cache_dtype: str = "auto") -> list[int]:
+    """`kvlab generate`'s greedy ids for one prompt (contiguous cache of the same KV format)."""
+    ids = tokenizer.encode(prompt)
+    cache = model.new_cache(1, len(ids) + max_tokens, kv_cache_dtype=kv_cache_dtype)
+    return generate(model, ids, max_tokens, stop_ids=[tokenizer.eos_id], cache=cache)[0].tolist()
+
+
+def make_engine(model, tokenizer, **config) -> LLMEngine:
+    config.setdefault("kv_cache_memory", 400_000)
+    config.setdefault("fused", False)
+    return LLMEngine(model, tokenizer, EngineConfig(**config))
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+
+
+def assert_pool_free(engine: LLMEngine) -> None:
+    """Every block back in the free queue, no references left, no request left behind."""
+    blocks = engine.blocks
+    assert blocks.num_free == blocks.num_blocks
+    assert all(b.ref_count == 0 for b in blocks.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+
+
+def collect(deltas, into: dict[str, list[int]]) -> dict[str, list[int]]:
+    for delta in deltas:
+        into.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return into
+
+
+def run_all(engine: LLMEngine, got: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    """Step until done; every request's ids (added to `got`, what earlier steps produced)."""
+    with torch.inference_mode():
+        return collect(engine.run_until_done(), got if got is not None else {})

@@ -1,0 +1,38 @@
+"""The pool is sized by kvlab.plan: vLLM's start-up lines equal `kvlab plan --engine vllm`, bytes equal the plan."""
+
+import json
+
+import pytest
+
+from engine_helpers import make_engine
+from kvlab.cli import main
+from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+from needs import STORIES
+
+
+@pytest.mark.parametrize("kv_cache_dtype,block_size,memory", [("auto", 16, 2_000_000), ("fp16", 16, 2_000_000),
+                                                              ("fp8", 8, 777_777), ("int8", 32, 1_500_000)])
+def test_capacity_lines_equal_plan_engine_vllm(stories_model, stories_tokenizer, capsys, kv_cache_dtype,
+                                               block_size, memory):
+    engine = make_engine(stories_model, stories_tokenizer, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                         kv_cache_memory=memory)
+    plan_dtype = "fp32" if kv_cache_dtype == "auto" else kv_cache_dtype  # the model computes in fp32
+    assert main(["plan", str(STORIES), "--engine", "vllm", "--kv-cache-memory", str(memory), "--kv-cache-dtype",
+                 plan_dtype, "--block-size", str(block_size), "--context", str(engine.max_model_len), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["vllm"]
+    assert engine.capacity_lines == planned["log_lines"]
+    assert engine.blocks.num_blocks == planned["num_gpu_blocks"]
+    # the pool's tensors hold exactly the plan's bytes for its blocks, and the lines say how many tokens
+    spec = stories_model.config.to_plan_spec()
+    per_block = kv_bytes_per_sequence(spec, block_size, cache_formats(plan_dtype, model_dtype="fp32"))
+    assert engine.pool.nbytes() == planned["num_gpu_blocks"] * per_block == \
+        planned["num_gpu_blocks"] * planned["block_bytes_all_layers"]
+    assert f"GPU KV cache size: {engine.pool.num_tokens:,} tokens" in engine.capacity_lines
+
+
+def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
+    """By hand: 5 layers x 4 KV heads x 8 channels x (K + V) x 4 B = 1,280 B a token, 20,480 B a block of 16."""
+    engine = make_engine(stories_model, stories_tokenizer, kv_cache_memory=1_000_000)
+    assert engine.blocks.num_blocks == 1_000_000 // 20_480 == 48
+    assert engine.pool.nbytes() == 48 * 20_480
+    assert engine.capacity_lines[1] == "GPU KV cache size: 768 tokens"
