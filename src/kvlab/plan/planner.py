@@ -12,7 +12,7 @@ from kvlab.plan import capacity
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
-from kvlab.plan.spec import ModelSpec
+from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
 from kvlab.plan.vllm_blocks import vllm_capacity
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
@@ -61,7 +61,7 @@ class PlanRequest:
 
 def describe_model(spec: ModelSpec) -> dict[str, Any]:
     kinds = sorted({layer.kind for layer in spec.layers})
-    first = spec.layers[0]
+    first = spec.first_attention
     described = {
         "name": spec.name, "source": spec.source, "layers": spec.num_layers, "attention_kinds": kinds,
         "q_heads": first.q_heads, "kv_heads": first.kv_heads, "head_dim": first.k_head_dim,
@@ -69,10 +69,18 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
         "params_estimated": spec.params_estimated, "max_context": spec.max_context,
         "tied_embeddings": spec.tied_embeddings, "notes": list(spec.notes),
     }
-    windows = sorted({layer.window for layer in spec.layers if layer.window})
+    windows = sorted({layer.window for layer in spec.layers if layer.kind == SLIDING})
     if windows:
         described["windows"] = windows
-        described["windowed_layers"] = sum(1 for layer in spec.layers if layer.window)
+        described["windowed_layers"] = sum(1 for layer in spec.layers if layer.kind == SLIDING)
+    chunked = sorted({layer.window for layer in spec.layers if layer.kind == CHUNKED})
+    if chunked:
+        described["chunk_sizes"] = chunked
+    shared = sum(1 for layer in spec.layers if layer.kv_shared)
+    if shared:
+        described["kv_shared_layers"] = shared
+    if spec.has_state:
+        described["state_layers"] = sum(1 for layer in spec.layers if layer.is_state)
     if spec.has_mla:
         described["kv_lora_rank"] = first.kv_lora_rank
         described["qk_rope_head_dim"] = first.qk_rope_head_dim
@@ -106,6 +114,8 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         "kv_heads_per_rank": None if spec.has_mla else capacity.kv_heads_per_rank(spec.kv_heads, tp),
         "warnings": request.warnings,
     }
+    if spec.has_state:
+        result["state_bytes_per_sequence"] = sum(capacity.state_bytes(layer, formats, tp) for layer in spec.layers)
     if formats.k.group_size or formats.v.group_size:
         result["inputs"]["kv_group_size"] = formats.k.group_size or formats.v.group_size
     if formats.k.residual or formats.v.residual:

@@ -39,6 +39,13 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("KV cache dtype", str(inputs["kv_cache_dtype"]))
     if model.get("windows"):
         table.add_row("sliding windows", f"{model['windowed_layers']} layers, window {model['windows']}")
+    if model.get("chunk_sizes"):
+        table.add_row("chunked local attention", f"chunks of {model['chunk_sizes']} tokens")
+    if model.get("kv_shared_layers"):
+        table.add_row("KV-sharing layers", f"{model['kv_shared_layers']} layers reuse earlier caches")
+    if "state_bytes_per_sequence" in result:
+        table.add_row(f"state ({model['state_layers']} linear layers)",
+                      f"{_size(result['state_bytes_per_sequence'])} per sequence, any context")
     if "kv_lora_rank" in model:
         table.add_row("MLA latent", f"{model['kv_lora_rank']} + RoPE {model['qk_rope_head_dim']} per token per layer")
     if inputs["tensor_parallel_size"] > 1:
