@@ -13,6 +13,7 @@ from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
 from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
+from kvlab.plan.vllm_blocks import DEVICES as VLLM_DEVICES
 from kvlab.plan.vllm_blocks import vllm_capacity
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
@@ -37,12 +38,16 @@ class PlanRequest:
     tensor_parallel: int = 1
     prompt_len: Optional[int] = None
     engine: str = "kvlab"
-    block_size: int = 16
+    block_size: Optional[int] = None  # vLLM's tokens per block: 16 on cuda, 128 on its CPU backend
+    vllm_device: str = "cuda"
+    max_num_batched_tokens: Optional[int] = None  # vllm serve's default for the card when None
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("context", "batch", "tensor_parallel", "block_size"):
+        for name in ("context", "batch", "tensor_parallel", "block_size", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if value is None and name in ("block_size", "max_num_batched_tokens"):
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.prompt_len is not None and self.prompt_len <= 0:
@@ -53,6 +58,20 @@ class PlanRequest:
             raise PlanError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.engine not in ("kvlab", "vllm"):
             raise PlanError(f"--engine must be kvlab or vllm, got {self.engine!r}")
+        if self.vllm_device not in VLLM_DEVICES:
+            raise PlanError(f"--vllm-device must be one of {', '.join(VLLM_DEVICES)}, got {self.vllm_device!r}")
+
+    def batched_tokens(self) -> int:
+        """vllm serve's max_num_batched_tokens: 8192 on cards of 70 GiB or more other than A100, else 2048.
+
+        (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server; it sets how many tokens a
+        sliding layer may need at peak, so only the logged concurrency of windowed models uses it.)
+        """
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        card = self.device
+        large = card is not None and card.memory_bytes >= 70 * 2**30 and "a100" not in card.name.lower()
+        return 8192 if self.vllm_device == "cuda" and large else 2048
 
     def formats(self) -> capacity.CacheFormats:
         return capacity.cache_formats(self.kv_cache_dtype, self.k_dtype, self.v_dtype, self.model_dtype,
@@ -131,7 +150,8 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
     result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
     if request.engine == "vllm":
-        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp)
+        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp,
+                                       request.vllm_device, request.batched_tokens())
     if request.device is not None:
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
     return result
