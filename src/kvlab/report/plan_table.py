@@ -79,11 +79,9 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         for line in vllm["log_lines"]:
             console.print(f"vLLM would log: {line}")
         fit = vllm["requests_that_fit"]
-        freed = any(group["window"] for group in vllm["kv_cache_groups"])
-        console.print(f"one request at {vllm['request_context']:,} tokens really holds {vllm['request_blocks']:,} "
-                      f"blocks ({binary(vllm['request_bytes'])}"
-                      f"{', windowed layers having freed what left their window' if freed else ''}): "
-                      f"{fit if fit is not None else '-'} such requests fit")
+        freed = ", blocks outside windows freed" if any(group["window"] for group in vllm["kv_cache_groups"]) else ""
+        console.print(f"vLLM per request: {vllm['request_blocks']:,} blocks ({binary(vllm['request_bytes'])}) at "
+                      f"{vllm['request_context']:,} tokens{freed}; {fit if fit is not None else '-'} such requests fit")
 
 
 def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) -> None:
