@@ -59,7 +59,9 @@ def test_exported_terms_count_a_linear_attention_state_once_per_sequence():
     from kvlab.plan.hf_config import spec_from_hf_config
     qwen3_next = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, vocab_size=151936)
     llama4 = dict(model_type="llama4_text", hidden_size=5120, num_hidden_layers=48, attention_chunk_size=8192)
-    for config in (qwen3_next, llama4):
+    gemma4 = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, num_attention_heads=32,
+                  num_key_value_heads=16, num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024)
+    for config in (qwen3_next, llama4, gemma4):  # at the model's own KV heads: the model itself
         spec = spec_from_hf_config(config, "m")
         data = chart_data(spec, 4096, 1, 40 * GIB)
         for tokens in (0, 1, 9000, 300_000):

@@ -41,6 +41,7 @@ class PlanRequest:
     block_size: Optional[int] = None  # vLLM's tokens per block: 16 on cuda, 128 on its CPU backend
     vllm_device: str = "cuda"
     max_num_batched_tokens: Optional[int] = None  # vllm serve's default for the card when None
+    vllm_hybrid: bool = True  # False: vLLM's --disable-hybrid-kv-cache-manager
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -151,7 +152,7 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
     if request.engine == "vllm":
         result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp,
-                                       request.vllm_device, request.batched_tokens())
+                                       request.vllm_device, request.batched_tokens(), hybrid=request.vllm_hybrid)
     if request.device is not None:
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
     return result

@@ -25,6 +25,9 @@ same rule holds in the 0.x releases that ship the V1 hybrid allocator.
 - The logged concurrency divides num_blocks by the blocks one request of max_model_len can
   need at peak: full layers every token, sliding layers window - 1 + max_num_batched_tokens
   tokens plus one block, chunked layers chunk + max_num_batched_tokens tokens.
+- With `--disable-hybrid-kv-cache-manager` (vLLM's flag; some releases also turn the manager
+  off for chunked local attention unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)
+  every windowed layer is allocated as full attention: one group, no block ever freed.
 - vLLM's CPU backend runs the same allocator with 128-token blocks, takes its budget from
   `VLLM_CPU_KVCACHE_SPACE` (GiB) and logs "CPU KV cache size".
 """
@@ -83,14 +86,16 @@ def _layer_key(layer: LayerAttention) -> tuple[str, Optional[int]]:
     return "full", None
 
 
-def kv_groups(spec: ModelSpec, formats: CacheFormats, block_size: int, tensor_parallel: int = 1) -> list[KVGroup]:
-    """The model's layers grouped as vLLM's hybrid allocator groups them."""
+def kv_groups(spec: ModelSpec, formats: CacheFormats, block_size: int, tensor_parallel: int = 1,
+              hybrid: bool = True) -> list[KVGroup]:
+    """The model's layers grouped as vLLM's hybrid allocator groups them (`hybrid=False`: all as full)."""
     if KIVI in (formats.k.scheme, formats.v.scheme):
         raise PlanError("vLLM has no KIVI cache; use --engine kvlab for kivi2/kivi4")
     if spec.has_state:
         raise PlanError("--engine vllm does not model linear-attention or state-space layers (vLLM aligns their "
                         "state pages with attention blocks); use --engine kvlab")
-    layers = [(_layer_key(layer), block_size * layer_kv_bytes(layer, 1, formats, tensor_parallel))
+    layers = [(_layer_key(layer) if hybrid else ("full", None),
+               block_size * layer_kv_bytes(layer, 1, formats, tensor_parallel))
               for layer in spec.layers if not layer.kv_shared]  # KV-sharing layers get no cache of their own
     keys = {key for key, _ in layers}
     if len(keys) == 1:  # one kind everywhere: one group, a block is every layer's page
@@ -116,12 +121,13 @@ def kv_groups(spec: ModelSpec, formats: CacheFormats, block_size: int, tensor_pa
 
 def vllm_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, formats: CacheFormats,
                   block_size: Optional[int] = None, tensor_parallel: int = 1, device: str = "cuda",
-                  max_num_batched_tokens: int = 2048, context: Optional[int] = None) -> dict[str, Any]:
+                  max_num_batched_tokens: int = 2048, context: Optional[int] = None,
+                  hybrid: bool = True) -> dict[str, Any]:
     """vLLM's block arithmetic, its start-up log lines, and one request's real usage at `context` tokens."""
     if device not in DEVICES:
         raise PlanError(f"--vllm-device must be one of {', '.join(DEVICES)}, got {device!r}")
     block_size = block_size or DEFAULT_BLOCK_SIZE[device]
-    groups = kv_groups(spec, formats, block_size, tensor_parallel)
+    groups = kv_groups(spec, formats, block_size, tensor_parallel, hybrid)
     group_size = max(group.layers for group in groups)
     one_group = len(groups) == 1
     block_bytes = groups[0].page_bytes if one_group else groups[0].page_bytes * group_size
@@ -135,6 +141,7 @@ def vllm_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, for
     padding = sum(group_size - group.layers for group in groups) if not one_group else 0
     return {
         "device": device,
+        "hybrid_kv_cache_manager": hybrid,
         "block_size": block_size,
         "block_bytes_all_layers": block_bytes,
         "kv_cache_groups": [dict(kind=g.kind, window=g.window, layers=g.layers, block_size=g.block_size,

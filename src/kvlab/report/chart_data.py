@@ -33,10 +33,13 @@ def chart_data(spec: ModelSpec, context: int, batch: int, budget_bytes: int, kv_
     choices = [n for n in range(1, spec.q_heads + 1) if spec.q_heads % n == 0]
     dense = spec.with_kv_heads(spec.kv_heads) if spec.has_mla else spec
     start_heads = kv_heads or (spec.q_heads if spec.has_mla else spec.kv_heads)
-    variants = {
-        str(heads): {str(b): layer_terms(dense.with_kv_heads(heads), dtype) for b, dtype in PRECISIONS.items()}
-        for heads in choices
-    }
+
+    def variant(heads: int) -> ModelSpec:
+        # at its own KV-head count the model is itself (Gemma 4's global layers keep their own heads)
+        return spec if heads == spec.kv_heads and not spec.has_mla else dense.with_kv_heads(heads)
+
+    variants = {str(heads): {str(b): layer_terms(variant(heads), dtype) for b, dtype in PRECISIONS.items()}
+                for heads in choices}
     data: dict[str, Any] = {
         "model": spec.name,
         "layers": spec.num_layers,
@@ -52,6 +55,6 @@ def chart_data(spec: ModelSpec, context: int, batch: int, budget_bytes: int, kv_
         data["mla"] = {str(b): layer_terms(spec, dtype) for b, dtype in PRECISIONS.items()}
     # where the starting lines meet the budget (the planner's longest context; None: never), for the PNG
     formats = cache_formats(PRECISIONS[bits])
-    data["crossings"] = {name: max_context(dense.with_kv_heads(heads), budget_bytes, batch, formats)
+    data["crossings"] = {name: max_context(variant(heads), budget_bytes, batch, formats)
                          for name, heads in (("chosen", start_heads), ("mha", spec.q_heads))}
     return data
