@@ -223,3 +223,15 @@ def test_chunked_attention_pairs_and_state_layers_in_the_roofline():
     model = spec(QWEN3_NEXT_80B)
     per_pair = 2 * 16 * (256 + 256)
     assert attention_flops(model, 1, 99) == 12 * per_pair * 100  # only the 12 full layers attend
+
+
+def test_plan_names_gemma4s_two_layer_shapes_and_the_table_shows_them(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA4_31B))
+    assert main(["plan", str(path), "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["layer_shapes"] == [dict(kind="sliding", layers=50, kv_heads=16, head_dim=256),
+                                     dict(kind="full", layers=10, kv_heads=4, head_dim=512)]
+    assert main(["plan", str(path)]) == 0
+    assert "10 full: 4 KV heads x 512" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path), "--kv-heads", "3"]) == 2  # a what-if must divide the 32 query heads

@@ -93,6 +93,14 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
     if windows:
         described["windows"] = windows
         described["windowed_layers"] = sum(1 for layer in spec.layers if layer.kind == SLIDING)
+    shapes: dict[tuple[str, int, int], int] = {}
+    for layer in spec.layers:
+        if not layer.is_state:
+            key = (layer.kind, layer.kv_heads, layer.k_head_dim)
+            shapes[key] = shapes.get(key, 0) + 1
+    if len({(heads, dim) for _, heads, dim in shapes}) > 1:  # Gemma 4: global layers with their own heads and dims
+        described["layer_shapes"] = [dict(kind=kind, layers=count, kv_heads=heads, head_dim=dim)
+                                     for (kind, heads, dim), count in shapes.items()]
     chunked = sorted({layer.window for layer in spec.layers if layer.kind == CHUNKED})
     if chunked:
         described["chunk_sizes"] = chunked

@@ -39,6 +39,9 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("KV cache dtype", str(inputs["kv_cache_dtype"]))
     if model.get("windows"):
         table.add_row("sliding windows", f"{model['windowed_layers']} layers, window {model['windows']}")
+    if model.get("layer_shapes"):
+        table.add_row("layer shapes", "; ".join(f"{item['layers']} {item['kind']}: {item['kv_heads']} KV heads x "
+                                                f"{item['head_dim']}" for item in model["layer_shapes"]))
     if model.get("chunk_sizes"):
         table.add_row("chunked local attention", f"chunks of {model['chunk_sizes']} tokens")
     if model.get("kv_shared_layers"):
@@ -96,7 +99,7 @@ def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) 
     if has_speed:
         table.add_column("decode tok/s", justify="right")
     for row in rows:
-        heads = "latent" if row["attention_kinds"] == ["mla"] else str(row["kv_heads"])
+        heads = "latent" if "mla" in row["attention_kinds"] else str(row["kv_heads"])
         per_token = row["kv_bytes_per_token"]
         cells = [row["variant"], row["kv_cache_dtype"], heads,
                  f"{per_token:,}" if isinstance(per_token, int) else f"{per_token:,.1f}",
