@@ -19,7 +19,8 @@ from kvlab.plan.hf_config import spec_from_hf_config
 
 BF16 = cache_formats("auto", model_dtype="bf16")
 
-LLAMA4_SCOUT = dict(model_type="llama4", tie_word_embeddings=False, vision_config=dict(model_type="llama4_vision_model"),
+LLAMA4_SCOUT = dict(model_type="llama4", tie_word_embeddings=False,
+                    vision_config=dict(model_type="llama4_vision_model"),
                     text_config=dict(model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
                                      intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
                                      num_key_value_heads=8, head_dim=128, num_local_experts=16,
@@ -235,3 +236,8 @@ def test_plan_names_gemma4s_two_layer_shapes_and_the_table_shows_them(tmp_path, 
     assert main(["plan", str(path)]) == 0
     assert "10 full: 4 KV heads x 512" in capsys.readouterr().out
     assert main(["plan", str(tmp_path), "--kv-heads", "3"]) == 2  # a what-if must divide the 32 query heads
+
+
+def test_gemma4_kv_sharing_must_leave_a_layer_its_own_cache():
+    with pytest.raises(PlanError, match="num_kv_shared_layers"):
+        spec(dict(GEMMA4_31B["text_config"], num_kv_shared_layers=60))

@@ -55,7 +55,7 @@ def _browser():
 
 
 def test_exported_terms_count_a_linear_attention_state_once_per_sequence():
-    """Qwen3-Next's linear layers (a fixed state) and Llama 4's chunked layers, as tests/plan/test_hf_mixed.py has them."""
+    """Qwen3-Next's linear layers (a fixed state), Llama 4's chunks, Gemma 4's two layer shapes."""
     from kvlab.plan.hf_config import spec_from_hf_config
     qwen3_next = dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, vocab_size=151936)
     llama4 = dict(model_type="llama4_text", hidden_size=5120, num_hidden_layers=48, attention_chunk_size=8192)
@@ -100,7 +100,8 @@ def test_page_in_headless_chromium_agrees_with_plan_after_moving_controls(tmp_pa
             return browser.find_element(By.ID, element_id).get_attribute(name)
 
         card = plan(preset("llama-3-8b"), PlanRequest(context=8192, batch=8, device=device("h100-sxm")))
-        mha = plan(preset("llama-3-8b").with_kv_heads(32), PlanRequest(context=8192, batch=8, device=device("h100-sxm")))
+        mha = plan(preset("llama-3-8b").with_kv_heads(32),
+                   PlanRequest(context=8192, batch=8, device=device("h100-sxm")))
         assert int(shown("seats")) == card["seats"]
         assert int(shown("max-context")) == card["max_context"] == 53_348
         # the x-axis reaches past the crossing, and both crossings are marked inside the plot at their token counts

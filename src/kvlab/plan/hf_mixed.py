@@ -88,6 +88,8 @@ def _gemma4(f: Fields) -> Shape:
     global_dim = f.size("global_head_dim")
     window = f.size("sliding_window")
     shared_from = layers - f.count("num_kv_shared_layers")
+    if shared_from <= 0:
+        raise PlanError(f"num_kv_shared_layers must leave at least one of the {layers} layers its own cache")
     per_layer_input = f.count("hidden_size_per_layer_input")
     double_wide = f.flag("use_double_wide_mlp")
     bias = 1 if f.flag("attention_bias") else 0
@@ -115,8 +117,8 @@ def _gemma4(f: Fields) -> Shape:
     ple = 0
     if per_layer_input:
         ple = layers * per_layer_input * (f.size("vocab_size_per_layer_input") + hidden) + per_layer_input
-    notes = ("the last {} layers share earlier layers' KV caches".format(layers - shared_from),) if shared_from < layers \
-        else ()
+    sharing = layers - shared_from
+    notes = (f"the last {sharing} layers share earlier layers' KV caches",) if sharing else ()
     return Shape(**base, norms_per_layer=4, moe=moe, mixers=tuple(mixers), extra_params=ple, notes=notes)
 
 
@@ -135,7 +137,8 @@ def _qwen3_next(f: Fields) -> Shape:
     types = _layer_types(f, layers, lambda i: "linear_attention" if (i + 1) % interval else "full_attention",
                          ("linear_attention", "full_attention"))
     k_heads, v_heads = f.size("linear_num_key_heads"), f.size("linear_num_value_heads")
-    k_dim, v_dim, kernel = f.size("linear_key_head_dim"), f.size("linear_value_head_dim"), f.size("linear_conv_kernel_dim")
+    k_dim, v_dim = f.size("linear_key_head_dim"), f.size("linear_value_head_dim")
+    kernel = f.size("linear_conv_kernel_dim")
     if v_heads % k_heads:
         raise PlanError(f"linear_num_value_heads {v_heads} must be a multiple of linear_num_key_heads {k_heads}")
     keys, values = k_heads * k_dim, v_heads * v_dim

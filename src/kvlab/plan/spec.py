@@ -2,8 +2,8 @@
 
 A model is a list of layers, each with its own attention description, because real
 models mix kinds (Gemma's 5-local-1-global, gpt-oss's alternating windows, DeepSeek's
-MLA, Llama 4's chunked local attention, Qwen3-Next's linear-attention layers). Every loader (presets, config.json, GGUF header) produces a `ModelSpec`, and every
-formula reads only this.
+MLA, Llama 4's chunked local attention, Qwen3-Next's linear-attention layers). Every loader
+(presets, config.json, GGUF header) produces a `ModelSpec`, and every formula reads only this.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def write_chart_png(data: dict[str, Any], path: str) -> None:
     for name, color in (("chosen", "#1f5fa8"), ("mha", "#c0392b")):
         tokens = crossings.get(name)
         if tokens and 64 <= tokens <= x_max and (name == "chosen" or start["kv_heads"] != data["q_heads"]):
-            axes.plot([tokens], [start["budget_gib"]], "o", markerfacecolor="white", markeredgecolor=color, markersize=8)
+            axes.plot([tokens], [start["budget_gib"]], "o", markerfacecolor="white", markeredgecolor=color,
+                      markersize=8)
             axes.annotate(f"{'stops fitting after' if name == 'chosen' else 'MHA stops at'} {tokens:,}",
                           (tokens, start["budget_gib"]), textcoords="offset points",
                           xytext=(8, -16) if name == "chosen" else (-8, 8), ha="left" if name == "chosen" else "right",
