@@ -143,3 +143,28 @@ def test_page_in_headless_chromium_agrees_with_plan_after_moving_controls(tmp_pa
         assert float(attribute("plot", "data-x-max")) > expected["max_context"]
     finally:
         browser.quit()
+
+
+def test_page_counts_a_linear_attention_state_as_the_planner_does(tmp_path):
+    """Qwen3-Next: 36 Gated DeltaNet layers add a fixed state per sequence; the page's seats and crossing agree."""
+    import json as json_module
+    from selenium.webdriver.common.by import By
+    from kvlab.plan.hf_config import load_hf_config
+
+    config = tmp_path / "qwen3-next" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json_module.dumps(dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48,
+                                             vocab_size=151936)))
+    html = tmp_path / "chart.html"
+    assert main(["chart", str(config.parent), "--kv-cache-memory", "3GiB", "--batch", "64", "--context", "2048",
+                 "-o", str(html)]) == 0
+    expected = plan(load_hf_config(str(config.parent)), PlanRequest(context=2048, batch=64, kv_cache_memory=3 * GIB))
+    assert expected["state_bytes_per_sequence"] > 0
+    browser = _browser()
+    try:
+        browser.get(html.as_uri())
+        assert int(browser.find_element(By.ID, "seats").text.replace(",", "")) == expected["seats"]
+        assert int(browser.find_element(By.ID, "max-context").text.replace(",", "")) == expected["max_context"]
+        assert float(browser.find_element(By.ID, "cache-gib").text) == round(expected["kv_bytes_batch"] / GIB, 2)
+    finally:
+        browser.quit()
