@@ -5,8 +5,9 @@ The rule is vLLM's hybrid KV-cache manager, read from vLLM main at commit 001cab
 `_get_kv_cache_groups_uniform_page_size`, `get_kv_cache_config_from_groups`,
 `_report_kv_cache_config`, `get_max_concurrency_for_kv_cache_config`;
 `vllm/v1/kv_cache_interface.py`: each spec's `page_size_bytes` and `max_memory_usage_bytes`;
-`vllm/v1/core/single_type_kv_cache_manager.py`: which blocks a windowed layer frees). The
-same rule holds in the 0.x releases that ship the V1 hybrid allocator.
+`vllm/v1/core/single_type_kv_cache_manager.py`: which blocks a windowed layer frees). Other
+releases may differ in details (the 1.5x group-size rule below is recent); the CPU figure is
+checked against vLLM 0.32's log on this machine.
 
 - A layer's page is `block_size` tokens of its K and V. When every layer needs the same
   token slots (all full attention, or one window everywhere) all layers form one group and
