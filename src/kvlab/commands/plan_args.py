@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import replace
 
 from kvlab.commands.args import byte_size, positive_float, positive_int
@@ -79,7 +81,16 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     hardware.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks (1)")
     hardware.add_argument("--engine", choices=("kvlab", "vllm"), default="kvlab",
                           help="vllm: round to blocks and print vLLM's start-up lines")
-    hardware.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
+    hardware.add_argument("--block-size", type=positive_int,
+                          help="vLLM tokens per block (16; 128 with --vllm-device cpu)")
+    hardware.add_argument("--vllm-device", choices=("cuda", "cpu"), default="cuda",
+                          help="vLLM backend: cuda, or cpu (128-token blocks, budget from VLLM_CPU_KVCACHE_SPACE GiB "
+                               "unless --kv-cache-memory is given)")
+    hardware.add_argument("--max-num-batched-tokens", type=positive_int,
+                          help="vLLM scheduler budget per step (vllm serve's default: 8192 on 70+ GiB cards but "
+                               "A100, else 2048); sets sliding layers' peak blocks")
+    hardware.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                          help="vLLM with its hybrid manager off: windowed layers allocated as full attention")
 
 
 def device_from_args(args: argparse.Namespace) -> Device | None:
@@ -95,12 +106,41 @@ def device_from_args(args: argparse.Namespace) -> Device | None:
     return None
 
 
+CPU_DEFAULT_KV_CACHE_SPACE = 4 * 2**30  # vLLM's CPU platform, when VLLM_CPU_KVCACHE_SPACE is unset or 0
+
+
+def _cpu_kv_cache_space(args: argparse.Namespace) -> int | None:
+    """The budget vLLM's CPU backend takes: --kv-cache-memory, else VLLM_CPU_KVCACHE_SPACE (GiB), as vLLM reads it.
+
+    (vllm/platforms/cpu.py: an integer number of GiB; 0 or unset means 4 GiB, negative is an error.)
+    """
+    if args.vllm_device != "cpu":
+        return args.kv_cache_memory
+    if args.engine != "vllm":
+        raise PlanError("--vllm-device cpu needs --engine vllm")
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0").strip() or "0"
+    try:
+        gib = int(text)
+    except ValueError:
+        raise PlanError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got {text!r}") from None
+    if gib < 0:
+        raise PlanError(f"VLLM_CPU_KVCACHE_SPACE must be a positive number of GiB, got {gib}")
+    if gib == 0:
+        print("kvlab plan: warning: VLLM_CPU_KVCACHE_SPACE (GiB) is not set; vLLM's CPU backend then uses 4 GiB",
+              file=sys.stderr)
+        return CPU_DEFAULT_KV_CACHE_SPACE
+    return gib * 2**30
+
+
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype, k_dtype=args.k_dtype,
         v_dtype=args.v_dtype, model_dtype=args.dtype, kv_group_size=args.kv_group_size,
-        kivi_residual=args.kivi_residual, weight_dtype=args.weight_dtype, kv_cache_memory=args.kv_cache_memory,
+        kivi_residual=args.kivi_residual, weight_dtype=args.weight_dtype, kv_cache_memory=_cpu_kv_cache_space(args),
         device=device_from_args(args), gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel=args.tensor_parallel_size, prompt_len=args.prompt_len, engine=args.engine,
-        block_size=args.block_size,
+        block_size=args.block_size, vllm_device=args.vllm_device, max_num_batched_tokens=args.max_num_batched_tokens,
+        vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
     )

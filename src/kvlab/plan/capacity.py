@@ -2,6 +2,9 @@
 
 Every figure is per tensor-parallel rank: each rank holds its share of KV heads (or the whole
 MLA latent, which is replicated) and has its own memory budget.
+
+State layers (linear attention, state-space mixers) hold a fixed state per sequence in the
+model's dtype, whatever the context: they add bytes per sequence, never bytes per token.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvlab.plan.errors import PlanError
-from kvlab.plan.kv_formats import KVFormat, resolve_kv_format
+from kvlab.plan.kv_formats import KVFormat, model_dtype_bytes, resolve_kv_format
 from kvlab.plan.spec import LayerAttention, ModelSpec
 
 # Binary searches for the longest context stop here: a model whose every layer is windowed
@@ -24,6 +27,7 @@ class CacheFormats:
 
     k: KVFormat
     v: KVFormat
+    state_bytes: int = 2  # bytes per element of a state layer's per-sequence state (the model dtype)
 
     @property
     def label(self) -> str:
@@ -42,7 +46,8 @@ def cache_formats(
     def resolve(name: str) -> KVFormat:
         return resolve_kv_format(name, model_dtype, group_size, residual)
 
-    return CacheFormats(resolve(k_dtype or kv_cache_dtype), resolve(v_dtype or kv_cache_dtype))
+    return CacheFormats(resolve(k_dtype or kv_cache_dtype), resolve(v_dtype or kv_cache_dtype),
+                        model_dtype_bytes(model_dtype))
 
 
 def kv_heads_per_rank(kv_heads: int, tensor_parallel: int) -> int:
@@ -55,8 +60,20 @@ def kv_heads_per_rank(kv_heads: int, tensor_parallel: int) -> int:
     return max(1, kv_heads // tensor_parallel)
 
 
+def state_bytes(layer: LayerAttention, formats: CacheFormats, tensor_parallel: int = 1) -> int:
+    """Bytes of one sequence's state in a state layer, on one rank (its heads split like KV heads)."""
+    if not layer.is_state:
+        return 0
+    heads = kv_heads_per_rank(layer.kv_heads, tensor_parallel)
+    return layer.state_elements * heads // layer.kv_heads * formats.state_bytes
+
+
 def layer_kv_bytes(layer: LayerAttention, tokens: int, formats: CacheFormats, tensor_parallel: int = 1) -> int:
     """Exact bytes one layer caches for one sequence of `tokens` tokens (window applied)."""
+    if layer.kv_shared:
+        return 0
+    if layer.is_state:
+        return state_bytes(layer, formats, tensor_parallel) if tokens > 0 else 0
     held = layer.cached_tokens(tokens)
     if layer.is_mla:
         return formats.k.bytes("k", 1, layer.kv_lora_rank + layer.qk_rope_head_dim, held)
@@ -65,7 +82,9 @@ def layer_kv_bytes(layer: LayerAttention, tokens: int, formats: CacheFormats, te
 
 
 def layer_kv_bytes_per_token(layer: LayerAttention, formats: CacheFormats, tensor_parallel: int = 1) -> float:
-    """Marginal bytes per token for one layer, ignoring its window."""
+    """Marginal bytes per token for one layer, ignoring its window (0 for state and shared layers)."""
+    if layer.kv_shared or layer.is_state:
+        return 0
     if layer.is_mla:
         return formats.k.bytes_per_token("k", 1, layer.kv_lora_rank + layer.qk_rope_head_dim)
     heads = kv_heads_per_rank(layer.kv_heads, tensor_parallel)

@@ -3,7 +3,9 @@
 The planner must answer "how much KV cache per token?" for a model nobody has downloaded
 yet, from its 2 KB config.json alone, so this reads the JSON with the stdlib and leaves
 each family's quirks (defaults, legacy keys, window patterns, MLA, MoE) to
-`kvlab.plan.hf_families`. Every bad input, from a truncated file to a zero head count,
+`kvlab.plan.hf_families` (and, for models whose layers differ in shape, `kvlab.plan.hf_mixed`).
+Multimodal wrappers keep the language model under `text_config`: only the decoder is
+planned. Every bad input, from a truncated file to a zero head count,
 becomes one `PlanError` line.
 """
 
@@ -14,13 +16,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kvlab.plan.errors import PlanError
-from kvlab.plan.hf_families import FAMILIES, Family
+from kvlab.plan.hf_families import FAMILIES as _DECODERS
+from kvlab.plan.hf_families import Family
+from kvlab.plan.hf_mixed import MIXED_FAMILIES
 from kvlab.plan.hf_fields import Fields
 from kvlab.plan.hf_shape import Shape, count_params
 from kvlab.plan.spec import ModelSpec
 
 CONFIG_NAME = "config.json"
-SUPPORTED = ", ".join(sorted({name for name in FAMILIES if not name.startswith("RefinedWeb")} | {"gemma3"}))
+FAMILIES: dict[str, Family] = _DECODERS | MIXED_FAMILIES
+# wrappers whose text_config may omit its model_type: the decoder family they imply
+WRAPPERS = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
+SUPPORTED = ", ".join(sorted({name for name in FAMILIES if not name.startswith("RefinedWeb")} | set(WRAPPERS)))
 
 
 def load_hf_config(path: str) -> ModelSpec:
@@ -78,14 +85,15 @@ def _language_model(config: dict) -> tuple[dict, tuple[str, ...]]:
     """The decoder's own config: multimodal wrappers (Gemma 3, LLaVA-style) keep it under `text_config`."""
     model_type = config.get("model_type")
     text = config.get("text_config")
-    if _family(model_type) or (text is None and model_type != "gemma3"):
+    wrapper = model_type if isinstance(model_type, str) else None
+    if _family(model_type) or (text is None and wrapper not in WRAPPERS):
         return config, ()
     if text is None:
         text = {}
     if not isinstance(text, dict):
         raise PlanError("text_config must be a JSON object")
     inner: dict[str, Any] = dict(text)
-    inner.setdefault("model_type", "gemma3_text" if model_type == "gemma3" else None)
+    inner.setdefault("model_type", WRAPPERS.get(wrapper))
     if _family(inner["model_type"]) is None:
         return config, ()  # the error then names the wrapper's model_type
     if "tie_word_embeddings" in config:  # the wrapper's setting is the one its lm_head follows

@@ -38,7 +38,7 @@ def _split(hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _base(f: Fields, head_dim: int = 0) -> dict[str, Any]:
+def base_fields(f: Fields, head_dim: int = 0) -> dict[str, Any]:
     """The fields every Llama-style config shares; an explicit `head_dim` wins over hidden/heads."""
     hidden = f.size("hidden_size")
     heads = f.size("num_attention_heads")
@@ -53,13 +53,13 @@ def _base(f: Fields, head_dim: int = 0) -> dict[str, Any]:
 
 def _llama(f: Fields) -> Shape:
     bias = f.flag("attention_bias")
-    return Shape(**_base(f), qkv_bias=bias, o_bias=bias, mlp_bias=f.flag("mlp_bias"))
+    return Shape(**base_fields(f), qkv_bias=bias, o_bias=bias, mlp_bias=f.flag("mlp_bias"))
 
 
 def _windowed_everywhere(f: Fields) -> Shape:
     """Mistral, Phi-3: a non-null `sliding_window` applies to every layer."""
     layers = f.size("num_hidden_layers")
-    return Shape(**_base(f), windows=every_layer(layers, f.optional_size("sliding_window")))
+    return Shape(**base_fields(f), windows=every_layer(layers, f.optional_size("sliding_window")))
 
 
 def _mixtral(f: Fields) -> Shape:
@@ -70,10 +70,10 @@ def _mixtral(f: Fields) -> Shape:
 def _qwen2(f: Fields) -> Shape:
     layers = f.size("num_hidden_layers")
     windows = after(f, layers, window_if(f, "use_sliding_window"), f.count("max_window_layers"))
-    return Shape(**_base(f), windows=windows, qkv_bias=True)
+    return Shape(**base_fields(f), windows=windows, qkv_bias=True)
 
 
-def _qwen_moe(f: Fields, shared: bool) -> MoE:
+def qwen_moe(f: Fields, shared: bool) -> MoE:
     layers, step = f.size("num_hidden_layers"), f.size("decoder_sparse_step")
     dense = set(f.int_list("mlp_only_layers")) | {i for i in range(layers) if (i + 1) % step}
     return MoE(f.size("num_experts", "num_local_experts"), f.size("num_experts_per_tok"),
@@ -87,47 +87,47 @@ def _qwen2_moe(f: Fields) -> Shape:
     # transformers' Qwen2-MoE rule (unlike Qwen2's): even-indexed layers below max_window_layers slide
     windows = per_layer(f, layers, window_if(f, "use_sliding_window"),
                         lambda i: (i + 1) % 2 != 0 and i < max_window)
-    return Shape(**_base(f), windows=windows, qkv_bias=f.flag("qkv_bias"), moe=_qwen_moe(f, shared=True))
+    return Shape(**base_fields(f), windows=windows, qkv_bias=f.flag("qkv_bias"), moe=qwen_moe(f, shared=True))
 
 
 def _qwen3(f: Fields) -> Shape:
     layers, bias = f.size("num_hidden_layers"), f.flag("attention_bias")
     windows = after(f, layers, window_if(f, "use_sliding_window"), f.count("max_window_layers"))
-    return Shape(**_base(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return Shape(**base_fields(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 def _qwen3_moe(f: Fields) -> Shape:
     layers, bias = f.size("num_hidden_layers"), f.flag("attention_bias")
     windows = every_layer(layers, window_if(f, "use_sliding_window"))
-    return Shape(**_base(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=_qwen_moe(f, False))
+    return Shape(**base_fields(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True, moe=qwen_moe(f, False))
 
 
 def _gemma(f: Fields) -> Shape:
     bias = f.flag("attention_bias")
-    return Shape(**_base(f), qkv_bias=bias, o_bias=bias)
+    return Shape(**base_fields(f), qkv_bias=bias, o_bias=bias)
 
 
 def _gemma2(f: Fields) -> Shape:
     layers, bias = f.size("num_hidden_layers"), f.flag("attention_bias")
     windows = periodic(f, layers, f.optional_size("sliding_window"), 2)
-    return Shape(**_base(f), windows=windows, qkv_bias=bias, o_bias=bias, norms_per_layer=4)
+    return Shape(**base_fields(f), windows=windows, qkv_bias=bias, o_bias=bias, norms_per_layer=4)
 
 
 def _gemma3(f: Fields) -> Shape:
     layers, bias = f.size("num_hidden_layers"), f.flag("attention_bias")
     windows = periodic(f, layers, f.optional_size("sliding_window"), f.size("sliding_window_pattern"))
-    return Shape(**_base(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True, norms_per_layer=4)
+    return Shape(**base_fields(f), windows=windows, qkv_bias=bias, o_bias=bias, qk_norm=True, norms_per_layer=4)
 
 
 def _starcoder2(f: Fields) -> Shape:
     layers, bias = f.size("num_hidden_layers"), f.flag("use_bias")
-    return Shape(**_base(f), windows=every_layer(layers, f.optional_size("sliding_window")), qkv_bias=bias,
+    return Shape(**base_fields(f), windows=every_layer(layers, f.optional_size("sliding_window")), qkv_bias=bias,
                  o_bias=bias, gated_mlp=False, mlp_bias=bias, norm_params=2)
 
 
 def _gpt_neox(f: Fields) -> Shape:
     bias = f.flag("attention_bias")
-    return Shape(**_base(f), qkv_bias=bias, o_bias=bias, gated_mlp=False, mlp_bias=True, norm_params=2)
+    return Shape(**base_fields(f), qkv_bias=bias, o_bias=bias, gated_mlp=False, mlp_bias=True, norm_params=2)
 
 
 def _falcon(f: Fields) -> Shape:
@@ -175,7 +175,7 @@ def _deepseek(f: Fields) -> Shape:
     mtp = f.config.get("num_nextn_predict_layers")
     notes = (f"{mtp} multi-token-prediction layer(s) not counted (transformers does not load them)",) if mtp else ()
     bias = f.flag("attention_bias")
-    return Shape(**_base(f, head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim), qkv_bias=bias,
+    return Shape(**base_fields(f, head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim), qkv_bias=bias,
                  o_bias=bias, moe=moe, latent=latent, notes=notes)
 
 
@@ -189,7 +189,16 @@ def _gpt_oss(f: Fields) -> Shape:
     moe = MoE(f.size("num_local_experts", "num_experts"), f.size("num_experts_per_tok"), f.size("intermediate_size"),
               router_bias=True, expert_bias=True)
     windows = periodic(f, layers, f.optional_size("sliding_window"), 2)
-    return Shape(**_base(f), windows=windows, qkv_bias=bias, o_bias=bias, sinks=True, moe=moe)
+    return Shape(**base_fields(f), windows=windows, qkv_bias=bias, o_bias=bias, sinks=True, moe=moe)
+
+
+def _phimoe(f: Fields) -> Shape:
+    """Phi-3.5-MoE: LayerNorms, biased attention and lm_head, 16 experts with top-2 routing."""
+    layers, bias = f.size("num_hidden_layers"), f.flag("attention_bias")
+    moe = MoE(f.size("num_local_experts"), f.size("num_experts_per_tok"), f.size("intermediate_size"))
+    return Shape(**base_fields(f), windows=every_layer(layers, f.optional_size("sliding_window")), qkv_bias=bias,
+                 o_bias=bias, norm_params=2, moe=moe,
+                 extra_params=f.size("vocab_size") if f.flag("lm_head_bias") else 0)
 
 
 _MISTRAL = _LLAMA_LIKE | dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072,
@@ -241,6 +250,9 @@ FAMILIES: dict[str, Family] = {
                                               num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
                                               num_experts_per_tok=8, first_k_dense_replace=3,
                                               moe_intermediate_size=2048, max_position_embeddings=4096), _deepseek),
+    "phimoe": Family(_LLAMA_LIKE | dict(vocab_size=32064, intermediate_size=6400, num_key_value_heads=8,
+                                        max_position_embeddings=131072, sliding_window=None, num_local_experts=16,
+                                        num_experts_per_tok=2, lm_head_bias=False), _phimoe),
     "gpt_oss": Family(dict(vocab_size=201088, intermediate_size=2880, head_dim=64, num_attention_heads=64,
                            num_key_value_heads=8, sliding_window=128, tie_word_embeddings=False,
                            max_position_embeddings=131072, num_local_experts=128, num_experts_per_tok=4,

@@ -40,6 +40,21 @@ class Latent:
 
 
 @dataclass(frozen=True)
+class Mixer:
+    """One layer's token mixer, for models whose layers differ in more than a window.
+
+    Gemma 4's global layers have their own KV heads and head dim; Qwen3-Next's linear-attention
+    layers have no KV cache at all. A family reader that states `mixers` gives each layer its
+    cache description and the parameters of its attention (q/k norms included).
+    """
+
+    attention: LayerAttention
+    params: int
+    extra_params: int = 0  # other per-layer weights outside attention and MLP (Gemma 4's per-layer input gate)
+    intermediate: int = 0  # this layer's dense MLP width when it differs (Gemma 4's double-wide layers)
+
+
+@dataclass(frozen=True)
 class Shape:
     """One decoder-only transformer, as far as its KV cache and parameter count go."""
 
@@ -64,10 +79,14 @@ class Shape:
     learned_positions: int = 0  # rows of a learned position table (GPT-2)
     moe: Optional[MoE] = None
     latent: Optional[Latent] = None
+    mixers: tuple[Mixer, ...] = ()  # per layer, when layers differ (replaces the uniform attention)
+    extra_params: int = 0  # weights outside the layers beyond embeddings and the final norm
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def attention_layers(self) -> tuple[LayerAttention, ...]:
         """Each layer's attention as the planner sees it."""
+        if self.mixers:
+            return tuple(mixer.attention for mixer in self.mixers)
         if self.latent is not None:
             mla = self.latent
             layer = LayerAttention(MLA, self.q_heads, self.kv_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim,
@@ -91,17 +110,22 @@ def count_params(shape: Shape) -> tuple[int, Optional[int]]:
     parameters and are not counted.
     """
     s = shape
-    per_layer_fixed = _attention(s) + s.norms_per_layer * s.norm_params * s.hidden
+    norms = s.norms_per_layer * s.norm_params * s.hidden
+    uniform = 0 if s.mixers else attention_params(s)
     total = active = 0
     for index in range(s.layers):
-        mlp_total, mlp_active = _mlp(s, index)
-        total += per_layer_fixed + mlp_total
-        active += per_layer_fixed + mlp_active
-    outside = s.vocab * s.hidden * (1 if s.tied else 2) + s.learned_positions * s.hidden + s.norm_params * s.hidden
+        mixer = s.mixers[index] if s.mixers else None
+        fixed = norms + (mixer.params + mixer.extra_params if mixer else uniform)
+        mlp_total, mlp_active = _mlp(s, index, mixer.intermediate if mixer else 0)
+        total += fixed + mlp_total
+        active += fixed + mlp_active
+    outside = (s.vocab * s.hidden * (1 if s.tied else 2) + s.learned_positions * s.hidden + s.norm_params * s.hidden
+               + s.extra_params)
     return total + outside, (active + outside if s.moe else None)
 
 
-def _attention(s: Shape) -> int:
+def attention_params(s: Shape) -> int:
+    """Parameters of one uniform attention block: projections, biases, q/k norms, sinks."""
     if s.latent is not None:
         return _latent_attention(s, s.latent)
     q_width, kv_width = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -132,11 +156,11 @@ def _mlp_params(hidden: int, intermediate: int, gated: bool, bias: bool) -> int:
     return matrices * hidden * intermediate + biases
 
 
-def _mlp(s: Shape, index: int) -> tuple[int, int]:
-    """(total, active) MLP parameters of layer `index`."""
+def _mlp(s: Shape, index: int, intermediate: int = 0) -> tuple[int, int]:
+    """(total, active) MLP parameters of layer `index` (`intermediate` overrides the dense width)."""
     moe = s.moe
     if moe is None or index in moe.dense_layers:
-        dense = _mlp_params(s.hidden, s.intermediate, s.gated_mlp, s.mlp_bias)
+        dense = _mlp_params(s.hidden, intermediate or s.intermediate, s.gated_mlp, s.mlp_bias)
         return dense, dense
     expert = _mlp_params(s.hidden, moe.expert_intermediate, s.gated_mlp, moe.expert_bias)
     router = s.hidden * moe.experts + (moe.experts if moe.router_bias else 0)

@@ -136,6 +136,13 @@ def resolve_kv_format(
     raise PlanError(f"unknown KV cache dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+def model_dtype_bytes(model_dtype: str) -> int:
+    """Bytes per value of the model's own dtype (what state layers and KIVI residuals store)."""
+    if model_dtype not in MODEL_DTYPES:
+        raise PlanError(f"unknown model dtype {model_dtype!r}; expected one of {MODEL_DTYPES}")
+    return _FLOAT_BYTES[model_dtype]
+
+
 def _check_positive(flag: str, value: int) -> None:
     if not isinstance(value, int) or value <= 0:
         raise PlanError(f"{flag} must be a positive integer, got {value!r}")

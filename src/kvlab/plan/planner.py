@@ -12,7 +12,8 @@ from kvlab.plan import capacity
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
-from kvlab.plan.spec import ModelSpec
+from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
+from kvlab.plan.vllm_blocks import DEVICES as VLLM_DEVICES
 from kvlab.plan.vllm_blocks import vllm_capacity
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
@@ -37,12 +38,17 @@ class PlanRequest:
     tensor_parallel: int = 1
     prompt_len: Optional[int] = None
     engine: str = "kvlab"
-    block_size: int = 16
+    block_size: Optional[int] = None  # vLLM's tokens per block: 16 on cuda, 128 on its CPU backend
+    vllm_device: str = "cuda"
+    max_num_batched_tokens: Optional[int] = None  # vllm serve's default for the card when None
+    vllm_hybrid: bool = True  # False: vLLM's --disable-hybrid-kv-cache-manager
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("context", "batch", "tensor_parallel", "block_size"):
+        for name in ("context", "batch", "tensor_parallel", "block_size", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if value is None and name in ("block_size", "max_num_batched_tokens"):
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.prompt_len is not None and self.prompt_len <= 0:
@@ -53,6 +59,20 @@ class PlanRequest:
             raise PlanError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.engine not in ("kvlab", "vllm"):
             raise PlanError(f"--engine must be kvlab or vllm, got {self.engine!r}")
+        if self.vllm_device not in VLLM_DEVICES:
+            raise PlanError(f"--vllm-device must be one of {', '.join(VLLM_DEVICES)}, got {self.vllm_device!r}")
+
+    def batched_tokens(self) -> int:
+        """vllm serve's max_num_batched_tokens: 8192 on cards of 70 GiB or more other than A100, else 2048.
+
+        (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server; it sets how many tokens a
+        sliding layer may need at peak, so only the logged concurrency of windowed models uses it.)
+        """
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        card = self.device
+        large = card is not None and card.memory_bytes >= 70 * 2**30 and "a100" not in card.name.lower()
+        return 8192 if self.vllm_device == "cuda" and large else 2048
 
     def formats(self) -> capacity.CacheFormats:
         return capacity.cache_formats(self.kv_cache_dtype, self.k_dtype, self.v_dtype, self.model_dtype,
@@ -61,7 +81,7 @@ class PlanRequest:
 
 def describe_model(spec: ModelSpec) -> dict[str, Any]:
     kinds = sorted({layer.kind for layer in spec.layers})
-    first = spec.layers[0]
+    first = spec.first_attention
     described = {
         "name": spec.name, "source": spec.source, "layers": spec.num_layers, "attention_kinds": kinds,
         "q_heads": first.q_heads, "kv_heads": first.kv_heads, "head_dim": first.k_head_dim,
@@ -69,10 +89,26 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
         "params_estimated": spec.params_estimated, "max_context": spec.max_context,
         "tied_embeddings": spec.tied_embeddings, "notes": list(spec.notes),
     }
-    windows = sorted({layer.window for layer in spec.layers if layer.window})
+    windows = sorted({layer.window for layer in spec.layers if layer.kind == SLIDING})
     if windows:
         described["windows"] = windows
-        described["windowed_layers"] = sum(1 for layer in spec.layers if layer.window)
+        described["windowed_layers"] = sum(1 for layer in spec.layers if layer.kind == SLIDING)
+    shapes: dict[tuple[str, int, int], int] = {}
+    for layer in spec.layers:
+        if not layer.is_state:
+            key = (layer.kind, layer.kv_heads, layer.k_head_dim)
+            shapes[key] = shapes.get(key, 0) + 1
+    if len({(heads, dim) for _, heads, dim in shapes}) > 1:  # Gemma 4: global layers with their own heads and dims
+        described["layer_shapes"] = [dict(kind=kind, layers=count, kv_heads=heads, head_dim=dim)
+                                     for (kind, heads, dim), count in shapes.items()]
+    chunked = sorted({layer.window for layer in spec.layers if layer.kind == CHUNKED})
+    if chunked:
+        described["chunk_sizes"] = chunked
+    shared = sum(1 for layer in spec.layers if layer.kv_shared)
+    if shared:
+        described["kv_shared_layers"] = shared
+    if spec.has_state:
+        described["state_layers"] = sum(1 for layer in spec.layers if layer.is_state)
     if spec.has_mla:
         described["kv_lora_rank"] = first.kv_lora_rank
         described["qk_rope_head_dim"] = first.qk_rope_head_dim
@@ -106,6 +142,8 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         "kv_heads_per_rank": None if spec.has_mla else capacity.kv_heads_per_rank(spec.kv_heads, tp),
         "warnings": request.warnings,
     }
+    if spec.has_state:
+        result["state_bytes_per_sequence"] = sum(capacity.state_bytes(layer, formats, tp) for layer in spec.layers)
     if formats.k.group_size or formats.v.group_size:
         result["inputs"]["kv_group_size"] = formats.k.group_size or formats.v.group_size
     if formats.k.residual or formats.v.residual:
@@ -121,7 +159,8 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
     result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
     if request.engine == "vllm":
-        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp)
+        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp,
+                                       request.vllm_device, request.batched_tokens(), hybrid=request.vllm_hybrid)
     if request.device is not None:
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
     return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvlab.plan.spec import ModelSpec
+from kvlab.plan.spec import CHUNKED, LayerAttention, ModelSpec
 
 BANDWIDTH = "bandwidth"
 COMPUTE = "compute"
@@ -31,11 +31,25 @@ def causal_pairs(tokens: int, window: Optional[int]) -> int:
     return window * (window + 1) // 2 + (tokens - window) * window
 
 
+def chunked_pairs(tokens: int, chunk: int) -> int:
+    """Query-key pairs when each query attends causally within its own chunk (Llama 4's local layers)."""
+    whole, rest = divmod(tokens, chunk)
+    return whole * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+
+def _pairs(layer: LayerAttention, tokens: int) -> int:
+    if layer.is_state:
+        return 0  # linear attention's work is in its projections, counted with the parameters
+    if layer.kind == CHUNKED:
+        return chunked_pairs(tokens, layer.window)
+    return causal_pairs(tokens, layer.window)
+
+
 def attention_flops(spec: ModelSpec, queries: int, keys_before: int, tensor_parallel: int = 1) -> int:
     """FLOPs of QK^T and AV for `queries` new tokens after `keys_before` cached ones (all layers, one rank)."""
     total = 0
     for layer in spec.layers:
-        pairs = causal_pairs(keys_before + queries, layer.window) - causal_pairs(keys_before, layer.window)
+        pairs = _pairs(layer, keys_before + queries) - _pairs(layer, keys_before)
         total += 2 * layer.q_heads * (layer.k_head_dim + layer.v_head_dim) * pairs
     return total // tensor_parallel
 

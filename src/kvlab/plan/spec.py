@@ -2,8 +2,8 @@
 
 A model is a list of layers, each with its own attention description, because real
 models mix kinds (Gemma's 5-local-1-global, gpt-oss's alternating windows, DeepSeek's
-MLA). Every loader (presets, config.json, GGUF header) produces a `ModelSpec`, and every
-formula reads only this.
+MLA, Llama 4's chunked local attention, Qwen3-Next's linear-attention layers). Every loader
+(presets, config.json, GGUF header) produces a `ModelSpec`, and every formula reads only this.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from kvlab.plan.errors import PlanError
 FULL = "full"
 SLIDING = "sliding"
 MLA = "mla"
-ATTENTION_KINDS = (FULL, SLIDING, MLA)
+CHUNKED = "chunked"  # Llama 4's local attention: a query sees only its own chunk of `window` tokens
+STATE = "state"  # linear attention or a state-space layer: a fixed-size state per sequence, no per-token cache
+ATTENTION_KINDS = (FULL, SLIDING, MLA, CHUNKED, STATE)
+WINDOWED_KINDS = (SLIDING, CHUNKED)
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,12 @@ class LayerAttention:
     For `mla` layers the cache holds one latent row of `kv_lora_rank + qk_rope_head_dim`
     elements per token (no separate V); `k_head_dim`/`v_head_dim` then describe the
     up-projected heads, used only for attention FLOPs.
+
+    A `chunked` layer holds at most `window` tokens (the chunk its newest query attends in).
+    A `state` layer holds `state_elements` values per sequence whatever the context (a
+    recurrent state and a short convolution window); its `kv_heads` is the head count that
+    tensor parallelism splits the state by. A `kv_shared` layer reads an earlier layer's
+    cache (Gemma 3n/4's last layers) and holds none of its own.
     """
 
     kind: str
@@ -36,6 +45,8 @@ class LayerAttention:
     window: Optional[int] = None
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    state_elements: int = 0
+    kv_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ATTENTION_KINDS:
@@ -44,8 +55,10 @@ class LayerAttention:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
-        if self.kind == SLIDING and (self.window is None or self.window <= 0):
-            raise PlanError(f"a sliding-window layer needs a positive window, got {self.window!r}")
+        if self.kind in WINDOWED_KINDS and (self.window is None or self.window <= 0):
+            raise PlanError(f"a {self.kind} layer needs a positive window, got {self.window!r}")
+        if self.kind == STATE and self.state_elements <= 0:
+            raise PlanError("a state layer needs a positive state size")
         if self.kind == MLA and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0):
             raise PlanError("an MLA layer needs kv_lora_rank > 0 and qk_rope_head_dim >= 0")
 
@@ -53,9 +66,15 @@ class LayerAttention:
     def is_mla(self) -> bool:
         return self.kind == MLA
 
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE
+
     def cached_tokens(self, context: int) -> int:
-        """Tokens this layer holds for a sequence of `context` tokens."""
-        if self.kind == SLIDING:
+        """Tokens this layer holds for a sequence of `context` tokens (0 for state and shared layers)."""
+        if self.kv_shared or self.kind == STATE:
+            return 0
+        if self.kind in WINDOWED_KINDS:
             return min(context, self.window)
         return context
 
@@ -94,16 +113,21 @@ class ModelSpec:
         return self.params_active if self.params_active is not None else self.params_total
 
     @property
+    def first_attention(self) -> LayerAttention:
+        """The first layer with attention heads: what the headline shape describes."""
+        return next((layer for layer in self.layers if not layer.is_state), self.layers[0])
+
+    @property
     def q_heads(self) -> int:
-        return self.layers[0].q_heads
+        return self.first_attention.q_heads
 
     @property
     def kv_heads(self) -> int:
-        return self.layers[0].kv_heads
+        return self.first_attention.kv_heads
 
     @property
     def head_dim(self) -> int:
-        return self.layers[0].k_head_dim
+        return self.first_attention.k_head_dim
 
     @property
     def has_mla(self) -> bool:
@@ -111,17 +135,25 @@ class ModelSpec:
 
     @property
     def has_windows(self) -> bool:
-        return any(layer.kind == SLIDING for layer in self.layers)
+        return any(layer.kind in WINDOWED_KINDS for layer in self.layers)
+
+    @property
+    def has_state(self) -> bool:
+        return any(layer.is_state for layer in self.layers)
 
     def with_kv_heads(self, kv_heads: int) -> "ModelSpec":
         """The same model with `kv_heads` KV heads on every layer (MHA, GQA or MQA what-if).
 
-        MLA layers become plain full attention with the up-projected head dims.
+        MLA layers become plain full attention with the up-projected head dims; state layers
+        (no KV heads) are left as they are.
         """
         if kv_heads <= 0:
             raise PlanError(f"--kv-heads must be positive, got {kv_heads}")
         layers = []
         for layer in self.layers:
+            if layer.is_state:
+                layers.append(layer)
+                continue
             if kv_heads > layer.q_heads:
                 raise PlanError(f"--kv-heads {kv_heads} exceeds the {layer.q_heads} query heads")
             if layer.q_heads % kv_heads:
@@ -135,6 +167,7 @@ class ModelSpec:
         if kv_lora_rank <= 0 or qk_rope_head_dim < 0:
             raise PlanError("--mla-rank must be positive and --mla-rope-dim non-negative")
         layers = tuple(
+            layer if layer.is_state else
             replace(layer, kind=MLA, window=None, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
             for layer in self.layers
         )

@@ -39,6 +39,16 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("KV cache dtype", str(inputs["kv_cache_dtype"]))
     if model.get("windows"):
         table.add_row("sliding windows", f"{model['windowed_layers']} layers, window {model['windows']}")
+    if model.get("layer_shapes"):
+        table.add_row("layer shapes", "; ".join(f"{item['layers']} {item['kind']}: {item['kv_heads']} KV heads x "
+                                                f"{item['head_dim']}" for item in model["layer_shapes"]))
+    if model.get("chunk_sizes"):
+        table.add_row("chunked local attention", f"chunks of {model['chunk_sizes']} tokens")
+    if model.get("kv_shared_layers"):
+        table.add_row("KV-sharing layers", f"{model['kv_shared_layers']} layers reuse earlier caches")
+    if "state_bytes_per_sequence" in result:
+        table.add_row(f"state ({model['state_layers']} linear layers)",
+                      f"{_size(result['state_bytes_per_sequence'])} per sequence, any context")
     if "kv_lora_rank" in model:
         table.add_row("MLA latent", f"{model['kv_lora_rank']} + RoPE {model['qk_rope_head_dim']} per token per layer")
     if inputs["tensor_parallel_size"] > 1:
@@ -68,8 +78,13 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     for note in model["notes"]:
         console.print(f"[dim]note: {note}[/dim]")
     if "vllm" in result:
-        for line in result["vllm"]["log_lines"]:
+        vllm = result["vllm"]
+        for line in vllm["log_lines"]:
             console.print(f"vLLM would log: {line}")
+        fit = vllm["requests_that_fit"]
+        freed = ", blocks outside windows freed" if any(group["window"] for group in vllm["kv_cache_groups"]) else ""
+        console.print(f"vLLM per request: {vllm['request_blocks']:,} blocks ({binary(vllm['request_bytes'])}) at "
+                      f"{vllm['request_context']:,} tokens{freed}; {fit if fit is not None else '-'} such requests fit")
 
 
 def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) -> None:
@@ -84,7 +99,7 @@ def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) 
     if has_speed:
         table.add_column("decode tok/s", justify="right")
     for row in rows:
-        heads = "latent" if row["attention_kinds"] == ["mla"] else str(row["kv_heads"])
+        heads = "latent" if "mla" in row["attention_kinds"] else str(row["kv_heads"])
         per_token = row["kv_bytes_per_token"]
         cells = [row["variant"], row["kv_cache_dtype"], heads,
                  f"{per_token:,}" if isinstance(per_token, int) else f"{per_token:,.1f}",
