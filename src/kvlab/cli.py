@@ -24,6 +24,8 @@ COMMANDS = {
     "generate": ("generate_cmd", "generate text with a real model (GGUF or HF directory)"),
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
+    "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
+    "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine)"),
 }
 
 

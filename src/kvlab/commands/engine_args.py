@@ -1,0 +1,55 @@
+"""The engine's flags, shared by `kvlab serve` and `kvlab bench throughput` (vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlab.commands.args import byte_size, positive_float, positive_int
+from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
+
+PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
+    model = parser.add_argument_group("model")
+    model.add_argument("--weights", default="auto", choices=("auto", "gguf", "dense", "int4"),
+                       help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
+    model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
+    model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    cache = parser.add_argument_group("KV cache (one paged pool)")
+    cache.add_argument("--kv-cache-dtype", default="auto", choices=PAGED_KV_DTYPES,
+                       help="pool storage; auto = the activations' dtype. KIVI groups keys across tokens and "
+                            "does not page")
+    cache.add_argument("--kv-cache-memory", type=byte_size,
+                       help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
+    cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
+                       help=f"pool size as a fraction of the machine's available memory "
+                            f"(default {DEFAULT_MEMORY_FRACTION})")
+    cache.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share full prompt blocks between requests (default on, as in vLLM)")
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests per batch (default 64)")
+    sched.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                       help="tokens per step, decodes plus prompt chunks (default 2048)")
+    sched.add_argument("--max-model-len", type=positive_int, help="prompt + output limit (default: the model's)")
+    sched.add_argument("--max-wait-ms", type=float, default=0.0,
+                       help="hold new requests until the batch is full or the oldest waited this long (default 0)")
+    sched.add_argument("--seed", type=int, default=0, help="seed for requests that set none (default 0)")
+    sched.add_argument("--no-fused", dest="fused", action="store_false",
+                       help="run every step module by module (the reference path)")
+
+
+def engine_from_args(args: argparse.Namespace):
+    """The LLMEngine the flags describe (loads the model)."""
+    from kvlab.engine.engine import EngineConfig, LLMEngine
+    from kvlab.engine.llm import load_for_engine
+
+    model, tokenizer = load_for_engine(args.model, args.weights, args.dtype, args.threads)
+    config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                          kv_cache_memory_fraction=args.kv_cache_memory_fraction, block_size=args.block_size,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
+                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused)
+    return LLMEngine(model, tokenizer, config)

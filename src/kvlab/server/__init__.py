@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server over kvlab.engine (FastAPI + uvicorn): `kvlab serve MODEL`."""

@@ -1,0 +1,104 @@
+"""The engine on a thread of its own, feeding each HTTP request's asyncio queue with its deltas.
+
+The engine is synchronous and steps as fast as the model allows; the server is asyncio. One
+background thread owns the engine: it takes new requests and aborts under a lock between
+steps, steps, and hands each delta to the event loop that waits for it
+(`call_soon_threadsafe`). Requests therefore join and leave the batch between steps, never
+during one. When there is nothing to do the thread sleeps until woken (a new request) or
+until the scheduler's max-wait deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+
+from kvlab.engine.engine import LLMEngine
+from kvlab.engine.errors import EngineOverloaded
+from kvlab.engine.outputs import StepDelta
+from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.sequence import Sequence as Seq
+
+log = logging.getLogger("kvlab.server")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="kvlab-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, prompt: Union[str, Sequence[int]], params: SamplingParams, request_id: str
+               ) -> tuple[Seq, asyncio.Queue]:
+        """Queue a request; its deltas arrive on the returned queue. Raises RequestError / EngineOverloaded."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.lock:
+            if self.stopping:
+                raise EngineOverloaded("the server is shutting down")
+            if self.engine.num_waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(f"{self.engine.num_waiting} requests are waiting already "
+                                       f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+            seq = self.engine.add_request(prompt, params, request_id)
+            self.streams[request_id] = (loop, queue)
+        self.wake.set()
+        return seq, queue
+
+    def abort(self, request_id: str) -> None:
+        """The client is gone (or the server stops): free the request's blocks now."""
+        with self.lock:
+            self.engine.abort(request_id)
+            self.streams.pop(request_id, None)
+
+    def abort_all(self) -> None:
+        with self.lock:
+            self.stopping = True
+            for request_id, (loop, queue) in list(self.streams.items()):
+                self.engine.abort(request_id)
+                loop.call_soon_threadsafe(queue.put_nowait, StepDelta(request_id, finished=True,
+                                                                      finish_reason="abort"))
+            self.streams.clear()
+        self.wake.set()
+
+    def stop(self) -> None:
+        self.abort_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self.lock:
+                if self.stopping and not self.engine.has_unfinished():
+                    return
+                busy = self.engine.has_unfinished()
+                deltas = self.engine.step() if busy else []
+                deliveries = [(self.streams.get(d.request_id), d) for d in deltas]
+                for d in deltas:
+                    if d.finished:
+                        self.streams.pop(d.request_id, None)
+                running = self.engine.num_running
+                deadline = self.engine.scheduler.next_deadline()
+            for target, delta in deliveries:
+                if target is not None:
+                    loop, queue = target
+                    loop.call_soon_threadsafe(queue.put_nowait, delta)
+            if not busy:
+                self.wake.wait(timeout=1.0)
+                self.wake.clear()
+            elif not deltas and not running:  # held by the max-wait rule: sleep until it admits
+                pause = 0.001 if deadline is None else max(0.0, deadline - time.monotonic())
+                self.wake.wait(timeout=min(pause, 0.05))
+                self.wake.clear()

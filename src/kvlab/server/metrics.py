@@ -1,0 +1,62 @@
+"""/metrics: vLLM's metric names under a `kvlab:` prefix, read from the engine at scrape time.
+
+Gauges and counters are read from the engine's own counts when Prometheus scrapes (so they
+can never drift from what the engine did); latency histograms are observed as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class EngineCollector:
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        e, labels = self.engine, ["model_name"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(f"kvlab:{name}", doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(f"kvlab:{name}", doc, labels=labels)
+            c.add_metric([self.model_name], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", e.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be admitted.", e.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", e.blocks.usage)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.blocks.prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", e.blocks.prefix_hits)
+        yield counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.",
+                      e.scheduler.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens received.", e.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", e.generation_tokens_total)
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        common = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("kvlab:time_to_first_token_seconds", "Time to first token.", **common)
+        self.itl = Histogram("kvlab:inter_token_latency_seconds", "Time between consecutive tokens.", **common)
+        self.e2e = Histogram("kvlab:e2e_request_latency_seconds", "Arrival to last token.", **common)
+        self.model_name = model_name
+        engine.on_finish.append(self.observe)
+
+    def observe(self, seq) -> None:
+        """A finished request's latencies (aborted ones too: their tokens were real)."""
+        name = self.model_name
+        if seq.first_token_time is not None:
+            self.ttft.labels(name).observe(seq.first_token_time - seq.arrival)
+            for before, after in zip(seq.token_times, seq.token_times[1:]):
+                self.itl.labels(name).observe(after - before)
+            self.e2e.labels(name).observe(seq.last_token_time - seq.arrival)
