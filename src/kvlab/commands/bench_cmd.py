@@ -1,0 +1,78 @@
+"""`kvlab bench throughput MODEL`: offline throughput through the engine (after `vllm bench throughput`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvlab.commands.args import positive_int
+from kvlab.commands.engine_args import add_engine_arguments
+
+THROUGHPUT_HELP = "N random prompts through the engine at once: request and token throughput"
+
+
+def add_parser(subparsers, name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput"))
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH")
+    tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
+    add_engine_arguments(tp)
+    work = tp.add_argument_group("workload")
+    work.add_argument("--num-prompts", type=positive_int, default=16, help="requests (default 16)")
+    work.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens each (default 128)")
+    work.add_argument("--output-len", type=positive_int, default=128, help="new tokens each (default 128)")
+    work.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    work.add_argument("--baselines", action="store_true",
+                      help="also run, in the same process: the engine one request at a time, and plain "
+                           "`kvlab generate` on one prompt (the ratios' denominators)")
+    tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
+    tp.set_defaults(run=run_throughput)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from kvlab.bench.provenance import provenance
+    from kvlab.bench.throughput import random_prompts, run_engine, run_generate
+    from kvlab.commands.engine_args import engine_from_args
+    from kvlab.train.progress import progress_bar
+
+    if args.max_num_seqs < args.num_prompts:
+        print(f"kvlab bench: note: --max-num-seqs {args.max_num_seqs} < --num-prompts {args.num_prompts}; "
+              "the rest wait their turn", file=sys.stderr)
+    engine = engine_from_args(args)
+    for line in engine.capacity_lines:
+        print(f"[kvlab] {line}", file=sys.stderr)
+    tok = engine.tokenizer
+    special = tuple(t for t in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) if t is not None)
+    prompts = random_prompts(args.num_prompts, args.input_len, engine.model.config.vocab_size, args.dataset_seed,
+                             special)
+    if args.input_len + args.output_len > engine.max_model_len:
+        raise SystemExit(f"kvlab bench: error: --input-len + --output-len exceeds the model length "
+                         f"{engine.max_model_len}")
+    run_engine(engine, prompts[:1], 4)  # warm-up: kernels built, pages touched
+    bar = progress_bar(args.num_prompts, "requests", unit="req")
+    result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
+              "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
+              "max_num_seqs": args.max_num_seqs, "capacity_lines": engine.capacity_lines,
+              "batched": run_engine(engine, prompts, args.output_len, progress=bar)}
+    bar.close()
+    if args.baselines:
+        result["engine_one_at_a_time"] = run_engine(engine, prompts[:2], args.output_len, concurrency=1)
+        result["generate_batch_1"] = run_generate(engine.model, prompts[0], args.output_len)
+        one = result["engine_one_at_a_time"]["output_tokens_per_s"]
+        result["ratio_batched_vs_engine_batch_1"] = result["batched"]["output_tokens_per_s"] / one
+        result["ratio_engine_batch_1_vs_generate"] = one / result["generate_batch_1"]["output_tokens_per_s"]
+    result["provenance"] = provenance(args.threads)
+    b = result["batched"]
+    print(f"Throughput: {b['requests_per_s']:.2f} requests/s, {b['total_tokens_per_s']:.1f} total tokens/s, "
+          f"{b['output_tokens_per_s']:.1f} output tokens/s ({b['num_requests']} requests, {b['elapsed_s']:.1f} s, "
+          f"decode {b['decode_path']}, {b['preemptions']} preemptions)")
+    if args.baselines:
+        print(f"Engine one request at a time: {result['engine_one_at_a_time']['output_tokens_per_s']:.1f} output "
+              f"tokens/s; kvlab generate (batch 1): {result['generate_batch_1']['output_tokens_per_s']:.1f}")
+        print(f"Ratios: batched / engine batch 1 = {result['ratio_batched_vs_engine_batch_1']:.2f}x; "
+              f"engine batch 1 / generate = {result['ratio_engine_batch_1_vs_generate']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
