@@ -3,6 +3,7 @@
 
     python3 scripts/readme_outputs.py           # run each `$ kvlab ...` in a ```text block, rewrite its output
     python3 scripts/readme_outputs.py --check   # exit 1 if any shown output is stale (timings aside)
+    python3 scripts/readme_outputs.py --check --skip-slow   # ... except the benchmarks (the test suite's check)
 
 A README block that shows a command's output is a ```text fence whose lines starting with
 "$ " are commands; the lines after each, up to the next command (a blank line between), are
@@ -54,10 +55,14 @@ def blocks(text: str) -> list[tuple[int, int, list[tuple[str, str]]]]:
 def run(command: str) -> str:
     """What `command` prints on a terminal-less run, stdout and stderr interleaved as written."""
     argv = shlex.split(command)
-    if argv[0] != "kvlab":
-        raise SystemExit(f"readme_outputs: only kvlab commands are run, not {command!r}")
+    if argv[0] == "kvlab":
+        argv = [sys.executable, "-m", "kvlab.cli", *argv[1:]]
+    elif argv[0] == "python3" and argv[1].startswith("scripts/"):
+        argv = [sys.executable, *argv[1:]]
+    else:
+        raise SystemExit(f"readme_outputs: only kvlab commands and python3 scripts/... are run, not {command!r}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "TERM": "dumb"}
-    done = subprocess.run([sys.executable, "-m", "kvlab.cli", *argv[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    done = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"readme_outputs: `{command}` exited {done.returncode}:\n{done.stdout}")
@@ -83,12 +88,17 @@ def masked(output: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare instead of rewriting; exit 1 when stale")
+    parser.add_argument("--skip-slow", action="store_true",
+                        help="leave benchmark blocks (`kvlab bench ...`, minutes each) as they are")
     args = parser.parse_args(argv)
     text = README.read_text(encoding="utf-8")
     stale, pieces, at = [], [], 0
     for start, end, pairs in blocks(text):
         shown = []
         for command, old in pairs:
+            if args.skip_slow and command.startswith("kvlab bench"):
+                shown.append(f"$ {command}\n{old}")
+                continue
             new = run(command)
             if masked(new) != masked(old):
                 stale.append((command, old, new))

@@ -17,7 +17,8 @@ def test_capacity_lines_equal_plan_engine_vllm(stories_model, stories_tokenizer,
     engine = make_engine(stories_model, stories_tokenizer, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
                          kv_cache_memory=memory)
     plan_dtype = "fp32" if kv_cache_dtype == "auto" else kv_cache_dtype  # the model computes in fp32
-    assert main(["plan", str(STORIES), "--engine", "vllm", "--kv-cache-memory", str(memory), "--kv-cache-dtype",
+    assert main(["plan", str(STORIES), "--engine", "vllm", "--vllm-device", "cpu", "--kv-cache-memory", str(memory),
+                 "--kv-cache-dtype",
                  plan_dtype, "--block-size", str(block_size), "--context", str(engine.max_model_len), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["vllm"]
     assert engine.capacity_lines == planned["log_lines"]
@@ -27,7 +28,7 @@ def test_capacity_lines_equal_plan_engine_vllm(stories_model, stories_tokenizer,
     per_block = kv_bytes_per_sequence(spec, block_size, cache_formats(plan_dtype, model_dtype="fp32"))
     assert engine.pool.nbytes() == planned["num_gpu_blocks"] * per_block == \
         planned["num_gpu_blocks"] * planned["block_bytes_all_layers"]
-    assert f"GPU KV cache size: {engine.pool.num_tokens:,} tokens" in engine.capacity_lines
+    assert f"CPU KV cache size: {engine.pool.num_tokens:,} tokens" in engine.capacity_lines
 
 
 def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
@@ -35,4 +36,4 @@ def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
     engine = make_engine(stories_model, stories_tokenizer, kv_cache_memory=1_000_000)
     assert engine.blocks.num_blocks == 1_000_000 // 20_480 == 48
     assert engine.pool.nbytes() == 48 * 20_480
-    assert engine.capacity_lines[1] == "GPU KV cache size: 768 tokens"
+    assert engine.capacity_lines[1] == "CPU KV cache size: 768 tokens"

@@ -74,7 +74,9 @@ class LLMEngine:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
         budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
         formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
-        self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size)
+        # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size
+        self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size,
+                                      device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
         num_blocks = self.capacity["num_gpu_blocks"]
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "

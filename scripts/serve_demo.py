@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""What the README shows of `kvlab serve`: start it, ask it with the openai client, stop it.
+
+    python3 scripts/serve_demo.py [MODEL]      # default smollm2-135m
+
+Starts `kvlab serve MODEL --kv-cache-memory 256MiB` on a free loopback port, prints the
+capacity lines the server logged, one chat completion (greedy, streamed) and its usage, and
+the server's Prometheus counters for it, then stops the server with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+
+
+def main() -> int:
+    model = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "kvlab.cli", "serve", model, "--kv-cache-memory", "256MiB", "--port", str(port),
+            "--served-model-name", model]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    lines = []
+    try:
+        for line in server.stderr:
+            lines.append(line.rstrip())
+            if line.startswith("INFO kvlab.serve"):
+                break
+        threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()  # keep the pipe drained
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        print("\n".join(f"[server] {line}" for line in lines if line.startswith("INFO kvlab")))
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        print(f"[client] {messages[0]['content']}")
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        print(f"[client] {text}")
+        print(f"[client] usage: {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens")
+        metrics = [m for m in httpx.get(base + "/metrics").text.splitlines()
+                   if m.startswith(("kvlab:prompt_tokens_total", "kvlab:generation_tokens_total",
+                                    "kvlab:kv_cache_usage_perc"))]
+        print("\n".join(f"[metrics] {m}" for m in metrics))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(30)
+        print(f"[server] SIGTERM: exit {code}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
