@@ -76,3 +76,25 @@ def test_smollm2_chat_answers_the_openai_client():
         assert served.wait_idle()["kv_cache_usage_perc"] == 0
     finally:
         assert served.stop() == 0
+
+
+def test_speculative_serving_reports_vllm_spec_metrics():
+    served = Served(str(STORIES), "--kv-cache-memory", "2000000", "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        body = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 100, "temperature": 0}
+        assert httpx.post(served.base + "/v1/completions", json=body, timeout=60).status_code == 200
+        m = served.wait_idle()  # stories260K repeats itself within 100 tokens: prompt lookup finds it (6 of 89)
+        assert m["spec_decode_num_drafts_total"] > 0
+        assert 0 < m["spec_decode_num_accepted_tokens_total"] <= m["spec_decode_num_draft_tokens_total"]
+    finally:
+        assert served.stop() == 0
+
+
+def test_bad_speculative_config_is_a_one_line_error():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "kvlab.cli", "serve", str(STORIES), "--speculative-config",
+                           '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "speculative method must be one of" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -39,6 +39,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--seed", type=int, default=0, help="seed for requests that set none (default 0)")
     sched.add_argument("--no-fused", dest="fused", action="store_false",
                        help="run every step module by module (the reference path)")
+    sched.add_argument("--speculative-config", metavar="JSON",
+                       help='speculative decoding, as vLLM\'s: {"method": "ngram" | "self" | "draft_model", '
+                            '"num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": .., '
+                            '"model": DRAFT (draft_model), "num_layers": L (self)}')
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -51,5 +55,6 @@ def engine_from_args(args: argparse.Namespace):
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction, block_size=args.block_size,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
-                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused)
+                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused,
+                          speculative_config=args.speculative_config)
     return LLMEngine(model, tokenizer, config)

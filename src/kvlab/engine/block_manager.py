@@ -101,6 +101,7 @@ class BlockManager:
             self._take(block_id)
         seq.block_table = list(cached)
         seq.num_computed = len(cached) * self.block_size
+        seq.draft_computed = 0  # a draft model recomputes its own K/V for cached blocks
         self.prefix_queries += len(seq.prompt_ids)
         self.prefix_hits += min(seq.num_computed, len(seq.prompt_ids))
         seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
@@ -159,8 +160,17 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         self.hash_chains.pop(seq.request_id, None)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the last valid token (a speculative step's rejected drafts)."""
+        keep = self.blocks_for(seq.num_computed)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block.block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -25,7 +25,8 @@ from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import Scheduler, SchedulerConfig
 from kvlab.engine.sequence import Sequence as Seq
-from kvlab.plan.capacity import cache_formats
+from kvlab.engine.speculative import SpeculativeConfig
+from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
 from kvlab.plan.vllm_blocks import vllm_capacity
 
 log = logging.getLogger("kvlab.engine")
@@ -47,6 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     fused: bool = True  # run decode steps in C where the model and pool allow
+    speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
 
 
 def available_memory_bytes() -> int:
@@ -74,22 +76,42 @@ class LLMEngine:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
         budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
         formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
-        # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size
-        self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size,
-                                      device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        draft = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            from kvlab.engine.llm import load_for_engine
+            draft, draft_tokenizer = load_for_engine(self.speculative.model, "dense")
+            if draft.config.vocab_size != mc.vocab_size:
+                raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
+                                   f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
+        # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
+        # with a draft model every block holds both models' K/V, so the draft's share comes off the budget first
+        share = 1.0
+        if draft is not None:
+            mine = cache_formats(config.kv_cache_dtype, model_dtype="fp32")
+            target_block = kv_bytes_per_sequence(mc.to_plan_spec(), config.block_size, formats)
+            draft_block = kv_bytes_per_sequence(draft.config.to_plan_spec(), config.block_size, mine)
+            share = target_block / (target_block + draft_block)
+        self.capacity = vllm_capacity(mc.to_plan_spec(), int(budget * share), self.max_model_len, formats,
+                                      config.block_size, device="cpu",
+                                      max_num_batched_tokens=config.max_num_batched_tokens)
         num_blocks = self.capacity["num_gpu_blocks"]
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
                                f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
         self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype)
+        draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
+            if draft is not None else None
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.max_wait_ms), self.blocks)
+                                                   self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = None
         if config.fused:
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.pool, config.seed, paged_step)
+        self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
+                                  self.max_model_len)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
@@ -174,11 +196,29 @@ class LLMEngine:
             return deltas
         done = now if virtual else self.clock()
         deltas = []
-        for seq, draw in zip(scheduled.seqs, sampled):
+        for seq, draws in zip(scheduled.seqs, sampled):
             self.blocks.commit_full_blocks(seq)
-            if draw is not None:
-                deltas.append(self._append(seq, draw, done))
+            if self.speculative is not None:
+                self.blocks.trim(seq)
+            delta = None
+            for draw in draws:
+                piece = self._append(seq, draw, done)
+                if delta is None:
+                    delta = piece
+                else:
+                    delta.token_ids += piece.token_ids
+                    delta.text += piece.text
+                    delta.logprobs += piece.logprobs
+                    delta.finished, delta.finish_reason = piece.finished, piece.finish_reason
+                if seq.finished:
+                    break
+            if delta is not None:
+                deltas.append(delta)
         return deltas
+
+    @property
+    def spec_stats(self):
+        return self.runner.spec_stats
 
     def _append(self, seq: Seq, draw, now: float) -> StepDelta:
         seq.output_ids.append(draw.token_id)

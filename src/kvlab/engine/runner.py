@@ -3,6 +3,12 @@
 The module-by-module path (kvlab.nn.Decoder with a kvlab.cache.StepBatch) serves every model
 and step; it is the reference the C paged step is tested against. Only the sequences whose
 step reaches their last token are sampled: a prompt chunk in the middle produces nothing.
+
+With speculative decoding (kvlab.engine.speculative), each decoding sequence first gets up
+to k drafted tokens from its proposer; the target then reads [last token, drafts] in the
+same pass as everyone else's prompt chunks, and the acceptance rule decides what is
+emitted. The K/V the target wrote for rejected drafts lie past `num_computed`: they are
+never read, and their blocks are handed back (BlockManager.trim).
 """
 
 from __future__ import annotations
@@ -13,34 +19,145 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.engine.sampling import Sampled, sample_rows
+from kvlab.engine.sampling import Sampled, SamplingParams, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep
+from kvlab.engine.sequence import Sequence
+from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None) -> None:
+    def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
+                 speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
+                 max_model_len: Optional[int] = None) -> None:
         self.model, self.pool = model, pool
         self.generator = torch.Generator().manual_seed(seed)
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
+        self.spec, self.draft_model, self.draft_pool = speculative, draft_model, draft_pool
+        self.spec_stats = SpecStats()
+        self.max_model_len = max_model_len or model.config.max_seq_len
+        if speculative is not None and speculative.method == "self":
+            layers = model.config.n_layers
+            self.self_layers = speculative.num_layers or max(1, layers // 4)
+            if not 1 <= self.self_layers < layers:
+                raise ValueError(f"a self-draft needs 1 to {layers - 1} of the target's {layers} layers")
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> list[Optional[Sampled]]:
-        """Feed each sequence its scheduled tokens; one Sampled per sequence that reached its last token."""
-        starts = [seq.num_computed for seq in step.seqs]
-        ids = [t for seq, n in zip(step.seqs, step.num_tokens) for t in seq.all_ids[seq.num_computed:seq.num_computed + n]]
-        batch = StepBatch.build(starts, step.num_tokens, [seq.block_table for seq in step.seqs], self.pool.block_size)
+    def run(self, step: ScheduledStep) -> list[list[Sampled]]:
+        """Feed each sequence its scheduled tokens; per sequence, the tokens it emits this step (often none or one)."""
+        seqs = step.seqs
+        decoding = [seq.num_computed == seq.num_tokens - 1 and n == 1 for seq, n in zip(seqs, step.num_tokens)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        q: list[Optional[torch.Tensor]] = [None] * len(seqs)
+        if self.spec is not None and any(decoding):
+            drafts, q = self._propose(seqs, decoding)
+        feeds = [[seq.all_ids[seq.num_computed]] + d if dec else
+                 seq.all_ids[seq.num_computed:seq.num_computed + n]
+                 for seq, n, dec, d in zip(seqs, step.num_tokens, decoding, drafts)]
+        lens = [len(f) for f in feeds]
+        batch = StepBatch.build([seq.num_computed for seq in seqs], lens, [seq.block_table for seq in seqs],
+                                self.pool.block_size)
+        ends = torch.tensor(lens).cumsum(0)
         if self.paged_step is not None and batch.is_decode:
-            logits = self.paged_step(torch.tensor(ids), batch)
+            logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
+            rows = [[i] for i in range(len(seqs))]
         else:
-            logits = self.model(torch.tensor([ids]), self.pool, last_only=True, step=batch)[0]
-        for seq, n in zip(step.seqs, step.num_tokens):
-            seq.num_computed += n
-        rows = [i for i, seq in enumerate(step.seqs) if seq.num_computed == seq.num_tokens]
-        drawn = sample_rows(logits[rows], [step.seqs[i].params for i in rows],
-                            [step.seqs[i].generator for i in rows], self.generator) if rows else []
-        out: list[Optional[Sampled]] = [None] * len(step.seqs)
-        for i, sampled in zip(rows, drawn):
-            out[i] = sampled
+            picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
+                     zip(ends, lens, drafts)]
+            flat = [r for rs in picks for r in rs]
+            logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
+                                rows=torch.tensor(flat))[0]
+            rows, at = [], 0
+            for rs in picks:
+                rows.append(list(range(at, at + len(rs))))
+                at += len(rs)
+        out: list[list[Sampled]] = [[] for _ in seqs]
+        plain = []
+        for i, (seq, n) in enumerate(zip(seqs, lens)):
+            if drafts[i]:
+                out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
+            else:
+                seq.num_computed += n
+                if seq.num_computed == seq.num_tokens:
+                    plain.append(i)
+        if plain:
+            drawn = sample_rows(logits[[rows[i][-1] for i in plain]], [seqs[i].params for i in plain],
+                                [seqs[i].generator for i in plain], self.generator)
+            for i, sampled in zip(plain, drawn):
+                out[i] = [sampled]
+        return out
+
+    # -- speculation -------------------------------------------------------------------------------
+
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts this sequence may take: k, within its reserved slots, max_tokens and the model length."""
+        k = self.spec.num_speculative_tokens
+        left = (seq.params.max_tokens or k + 1) - len(seq.output_ids) - 1
+        room = self.max_model_len - seq.num_tokens - 1
+        slots = len(seq.block_table) * self.pool.block_size - seq.num_tokens
+        return max(0, min(k, left, room, slots))
+
+    def _propose(self, seqs: list[Sequence], decoding: list[bool]) -> tuple[list[list[int]], list]:
+        spec = self.spec
+        budgets = [self._budget(seq) if dec else 0 for seq, dec in zip(seqs, decoding)]
+        if spec.method == "ngram":
+            return ([ngram_proposal(seq.all_ids, b, spec.prompt_lookup_min, spec.prompt_lookup_max) if b else []
+                     for seq, b in zip(seqs, budgets)], [None] * len(seqs))
+        return self._model_drafts(seqs, budgets)
+
+    def _model_drafts(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list]:
+        """k rounds of the proposer (the target's first layers, or the draft model) over the drafting sequences."""
+        active = [i for i, b in enumerate(budgets) if b > 0]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        if not active:
+            return drafts, [None] * len(seqs)
+        own = self.spec.method == "draft_model"
+        model, pool = (self.draft_model, self.draft_pool) if own else (self.model, self.pool)
+        layers = None if own else self.self_layers
+        for round_ in range(max(budgets[i] for i in active)):
+            live = [i for i in active if budgets[i] > round_]
+            starts, feeds = [], []
+            for i in live:
+                seq = seqs[i]
+                ids = seq.all_ids + drafts[i]
+                begin = seq.draft_computed if own and round_ == 0 else seq.num_tokens - 1 + round_
+                starts.append(begin)
+                feeds.append(ids[begin:seq.num_tokens + round_])
+            batch = StepBatch.build(starts, [len(f) for f in feeds], [seqs[i].block_table for i in live],
+                                    pool.block_size)
+            logits = model(torch.tensor([[t for f in feeds for t in f]]), pool, last_only=True, step=batch,
+                           num_layers=layers)[0]
+            for row, i in enumerate(live):
+                seq = seqs[i]
+                if seq.params.greedy:
+                    token, dist = int(logits[row].argmax()), None
+                else:
+                    dist = torch.softmax(filtered_logits(logits[row], seq.params), dim=-1)
+                    token = int(torch.multinomial(dist, 1, generator=seq.generator or self.generator))
+                drafts[i].append(token)
+                dists[i].append(dist)
+        q = [torch.stack(d) if d and d[0] is not None else None for d in dists]
+        return drafts, q
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, q) -> list[Sampled]:
+        params: SamplingParams = seq.params
+        p = logits if params.greedy else target_probs(logits, params)
+        tokens, accepted = accept(drafts, p, q, params, seq.generator or self.generator)
+        self.spec_stats.record(len(drafts), accepted)
+        start = seq.num_computed
+        seq.num_computed = start + 1 + accepted  # the last token and the accepted drafts hold valid K/V
+        if self.spec.method == "draft_model":  # the draft wrote K/V for [last, drafts[:-1]]
+            seq.draft_computed = start + 1 + min(accepted, len(drafts) - 1)
+        out = []
+        for j, token in enumerate(tokens):
+            sampled = Sampled(token)
+            if params.logprobs is not None:
+                logp = torch.log_softmax(logits[j].float(), dim=-1)
+                sampled.logprob = float(logp[token])
+                if params.logprobs:
+                    top = torch.topk(logp, params.logprobs)
+                    sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+            out.append(sampled)
         return out

@@ -33,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_wait_ms: float = 0.0
+    lookahead: int = 0  # slots reserved past each decode for speculative drafts (k)
 
 
 @dataclass
@@ -93,17 +94,20 @@ class Scheduler:
         while index < len(self.running) and budget > 0:  # 1. running, oldest first
             seq = self.running[index]
             n = min(seq.remaining, budget)
-            while not self.blocks.can_append(seq, n):
+            reserve = n
+            if n == 1 and seq.remaining == 1 and self.config.lookahead:  # a decode: room for the drafts too
+                reserve = max(1, min(1 + self.config.lookahead, budget, self.config.max_model_len - seq.num_computed))
+            while not self.blocks.can_append(seq, reserve):
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            self.blocks.append(seq, n)
+            self.blocks.append(seq, reserve)
             step.seqs.append(seq)
             step.num_tokens.append(n)
-            budget -= n
+            budget -= reserve
             index += 1
         if not step.preempted and self._admission_open(now):  # 2. waiting, oldest first
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

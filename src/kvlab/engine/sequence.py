@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: Optional[str] = None
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)
     preemptions: int = 0
     first_scheduled: Optional[float] = None

@@ -102,20 +102,25 @@ class Decoder(nn.Module):
         """The activations' dtype (the norms'); big matrices may be stored narrower (bf16, int4)."""
         return self.norm.weight.dtype
 
-    def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False, step=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False, step=None,
+                rows: Optional[torch.Tensor] = None, num_layers: Optional[int] = None) -> torch.Tensor:
         """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs).
 
         With `step` (a kvlab.cache.StepBatch) tokens [1, N] are several sequences' new tokens
         packed in one row, `cache` is a kvlab.cache.KVPool, and `last_only` keeps each sequence's
-        last token: logits [1, num_seqs, vocab].
+        last token: logits [1, num_seqs, vocab]. `rows` picks packed positions explicitly (a
+        speculative verification needs every drafted position). `num_layers` stops after that
+        many blocks, then applies the final norm and LM head: the self-draft of speculative decoding.
         """
         if step is not None and self.config.attention == "mla":
             raise PlanError("MLA models do not run on the paged pool yet")
         start = cache.seq_len(0) if cache is not None and step is None else 0
         x = self.embed(tokens)
-        for layer, block in enumerate(self.blocks):
+        for layer, block in enumerate(self.blocks[:num_layers] if num_layers else self.blocks):
             x = block(x, self.rope, start, cache, layer, step)
-        if last_only:
+        if rows is not None:
+            x = x[:, rows]
+        elif last_only:
             x = x[:, step.last_token_index()] if step is not None else x[:, -1:]
         return self.lm_head(self.norm(x))
 

@@ -39,6 +39,16 @@ class EngineCollector:
                       e.scheduler.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens received.", e.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", e.generation_tokens_total)
+        if e.speculative is not None:  # vLLM's spec_decode metrics
+            s = e.spec_stats
+            yield counter("spec_decode_num_drafts", "Speculative proposals checked.", s.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
+            per = CounterMetricFamily("kvlab:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each position.", labels=["model_name", "position"])
+            for position, count in enumerate(s.accepted_per_position):
+                per.add_metric([self.model_name, str(position)], count)
+            yield per
 
 
 class Metrics:

@@ -1,0 +1,112 @@
+"""Speculative decoding: the exact acceptance rule on toy distributions, and greedy equality in the engine."""
+
+import pytest
+import torch
+
+from engine_helpers import PROMPTS, assert_pool_free, collect, greedy, make_engine, reference, run_all
+from kvlab.engine.errors import RequestError
+from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.speculative import SpeculativeConfig, accept, ngram_proposal
+from needs import STORIES
+
+P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])
+Q = torch.tensor([0.30, 0.10, 0.30, 0.05, 0.25])
+CHI2_DF4_P001 = 18.47  # chi-square critical value, 4 degrees of freedom, alpha = 0.001
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=4)
+
+
+def emitted_counts(rule, trials: int = 12_000) -> tuple[torch.Tensor, int]:
+    """First emitted token's counts when a draft x ~ Q is checked against P by `rule`, and acceptances."""
+    gen = torch.Generator().manual_seed(0)
+    counts, accepted = torch.zeros(5), 0
+    p = torch.stack([P, P])  # one drafted position and the bonus position
+    for _ in range(trials):
+        x = int(torch.multinomial(Q, 1, generator=gen))
+        tokens, n = rule([x], p, Q[None], SAMPLED, gen)
+        counts[tokens[0]] += 1
+        accepted += n
+    return counts, accepted
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def skip_residual(drafts, p, q, params, gen):
+    """A deliberately wrong rule: on rejection, draw from p itself instead of norm(max(0, p - q))."""
+    x = drafts[0]
+    if float(torch.rand((), generator=gen)) < min(1.0, float(p[0, x] / q[0, x])):
+        return [x], 1
+    return [int(torch.multinomial(p[0], 1, generator=gen))], 0
+
+
+def test_emitted_tokens_follow_the_target_and_acceptance_is_sum_of_min():
+    counts, accepted = emitted_counts(accept)
+    assert chi_square(counts, P) < CHI2_DF4_P001
+    rate, expected = accepted / 12_000, float(torch.minimum(P, Q).sum())  # 0.55
+    assert abs(rate - expected) < 4 * (expected * (1 - expected) / 12_000) ** 0.5
+
+
+def test_a_rule_without_the_residual_resample_is_caught():
+    counts, _ = emitted_counts(skip_residual)
+    assert chi_square(counts, P) > CHI2_DF4_P001
+
+
+def test_greedy_rule_accepts_the_agreeing_prefix_then_takes_the_target_argmax():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
+    greedy_params = SamplingParams(temperature=0, max_tokens=8)
+    assert accept([1, 2, 1], logits, None, greedy_params, None) == ([1, 2, 0], 2)
+    assert accept([1, 2, 0], logits, None, greedy_params, None) == ([1, 2, 0, 1], 3)  # all agree: bonus
+    assert accept([2], logits[:2], None, greedy_params, None) == ([1], 0)
+
+
+def test_ngram_proposal_follows_the_latest_earlier_match():
+    assert ngram_proposal([1, 2, 3, 4, 9, 1, 2, 3], 2, 1, 3) == [4, 9]
+    assert ngram_proposal([5, 6, 7], 3, 1, 3) == []
+    assert ngram_proposal([1, 2, 1, 3, 1], 2, 1, 2) == [3, 1]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "self", "num_speculative_tokens": 2, "num_layers": 3},
+    {"method": "draft_model", "model": str(STORIES), "num_speculative_tokens": 4},
+], ids=lambda s: s["method"])
+def test_greedy_output_with_speculation_is_the_output_without(stories_model, stories_tokenizer, spec):
+    model, tok = stories_model, stories_tokenizer
+    engine = make_engine(model, tok, speculative_config=spec, block_size=8, max_num_batched_tokens=32)
+    alone = engine.add_request(PROMPTS[0], greedy(40))  # batch 1 first
+    got = run_all(engine)
+    assert got[alone.request_id] == reference(model, tok, PROMPTS[0], 40)
+    wanted = {}
+    for i, prompt in enumerate(PROMPTS[1:5]):  # then a mixed batch: prompts chunked beside speculative decodes
+        wanted[engine.add_request(prompt, greedy(30 + 5 * i)).request_id] = reference(model, tok, prompt, 30 + 5 * i)
+        collect(engine.step(), got)
+    run_all(engine, got)
+    assert {r: got[r] for r in wanted} == wanted
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / stats.num_drafts
+    if spec["method"] == "draft_model":  # the target as its own draft: every draft agrees
+        assert stats.acceptance_rate == 1.0
+    assert_pool_free(engine)  # rolled-back blocks included
+
+
+def test_sampled_speculation_is_seed_reproducible_and_frees_the_pool(stories_model, stories_tokenizer):
+    outs = []
+    for _ in range(2):
+        engine = make_engine(stories_model, stories_tokenizer, speculative_config={"method": "ngram"})
+        seq = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.8, max_tokens=30, seed=11))
+        run_all(engine)
+        outs.append(seq.output_ids)
+        assert len(seq.output_ids) == 30 or seq.finish_reason == "stop"
+        assert_pool_free(engine)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("bad", ['{"method": "medusa"}', '{"method": "ngram", "num_speculative_tokens": 0}',
+                                 '{"method": "draft_model"}', '{"method": "ngram", "k": 3}', "not json", "[1]"])
+def test_bad_speculative_configs_are_one_line_errors(bad):
+    with pytest.raises(RequestError) as caught:
+        SpeculativeConfig.parse(bad)
+    assert "\n" not in str(caught.value)
