@@ -110,3 +110,28 @@ def test_bad_speculative_configs_are_one_line_errors(bad):
     with pytest.raises(RequestError) as caught:
         SpeculativeConfig.parse(bad)
     assert "\n" not in str(caught.value)
+
+
+def test_draft_pool_blocks_equal_kvlab_plan_draft(stories_model, stories_tokenizer, capsys):
+    """One block holds both models' K/V: the engine's pool and `kvlab plan --draft` agree on its blocks."""
+    import json
+
+    from kvlab.cli import main
+
+    engine = make_engine(stories_model, stories_tokenizer, kv_cache_memory=1_000_000, block_size=16,
+                         speculative_config={"method": "draft_model", "model": str(STORIES)})
+    assert main(["plan", str(STORIES), "--draft", str(STORIES), "--kv-cache-memory", "1000000", "--kv-cache-dtype",
+                 "fp32", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    # by hand: 1,280 B/token each, 2 x 20,480 B a block of 16: 1,000,000 // 40,960 = 24 blocks (48 without a draft)
+    assert engine.blocks.num_blocks == planned["speculative"]["pool_blocks"] == 24
+    assert planned["kv_bytes_per_token"] == 2 * 1280
+    assert engine.pool.nbytes() + engine.runner.draft_pool.nbytes() == 24 * 40_960
+
+
+def test_expected_speedup_is_the_papers_formula():
+    from kvlab.plan.speculative import expected_speedup, expected_tokens_per_step
+
+    assert expected_tokens_per_step(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
+    assert expected_tokens_per_step(1.0, 4) == 5
+    assert expected_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))

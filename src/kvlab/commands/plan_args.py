@@ -54,6 +54,11 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--draft", metavar="MODEL", help="a draft model (preset, config.json or .gguf): its weights "
+                                                       "and KV join the budget, and seats fall accordingly")
+    spec.add_argument("--acceptance-rate", type=float, help="expected acceptance rate a, for the paper's speed-up")
+    spec.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="drafted tokens k (3)")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence (4096)")
     workload.add_argument("--batch", type=positive_int, default=1, help="concurrent sequences (1)")
@@ -143,4 +148,6 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         tensor_parallel=args.tensor_parallel_size, prompt_len=args.prompt_len, engine=args.engine,
         block_size=args.block_size, vllm_device=args.vllm_device, max_num_batched_tokens=args.max_num_batched_tokens,
         vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
+        draft=load_model(args.draft) if args.draft else None, acceptance_rate=args.acceptance_rate,
+        num_speculative_tokens=args.num_speculative_tokens,
     )

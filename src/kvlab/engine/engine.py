@@ -26,7 +26,8 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import Scheduler, SchedulerConfig
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.speculative import SpeculativeConfig
-from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+from kvlab.plan.capacity import cache_formats
+from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.vllm_blocks import vllm_capacity
 
 log = logging.getLogger("kvlab.engine")
@@ -49,6 +50,16 @@ class EngineConfig:
     seed: int = 0
     fused: bool = True  # run decode steps in C where the model and pool allow
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
+
+
+def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
+    """The pool's blocks and start-up lines when each block holds the target's and the draft's K/V."""
+    blocks, target_block, draft_block = shared_pool_blocks(target, draft, budget, formats, block_size)
+    tokens = blocks * block_size
+    return {"num_gpu_blocks": blocks, "block_bytes_all_layers": target_block + draft_block,
+            "log_lines": [f"Available KV cache memory: {budget / 2**30:.2f} GiB",
+                          f"CPU KV cache size: {tokens:,} tokens (each block holds the target's and the draft's K/V)",
+                          f"Maximum concurrency for {max_model_len:,} tokens per request: {tokens / max_model_len:.2f}x"]}
 
 
 def available_memory_bytes() -> int:
@@ -85,16 +96,13 @@ class LLMEngine:
                 raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
         # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
-        # with a draft model every block holds both models' K/V, so the draft's share comes off the budget first
-        share = 1.0
-        if draft is not None:
-            mine = cache_formats(config.kv_cache_dtype, model_dtype="fp32")
-            target_block = kv_bytes_per_sequence(mc.to_plan_spec(), config.block_size, formats)
-            draft_block = kv_bytes_per_sequence(draft.config.to_plan_spec(), config.block_size, mine)
-            share = target_block / (target_block + draft_block)
-        self.capacity = vllm_capacity(mc.to_plan_spec(), int(budget * share), self.max_model_len, formats,
-                                      config.block_size, device="cpu",
-                                      max_num_batched_tokens=config.max_num_batched_tokens)
+        # with a draft model every block holds both models' K/V (kvlab.plan.speculative, as `kvlab plan --draft`)
+        if draft is None:
+            self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size,
+                                          device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
+        else:
+            self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
+                                            self.max_model_len, formats, config.block_size)
         num_blocks = self.capacity["num_gpu_blocks"]
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "

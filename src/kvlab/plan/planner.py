@@ -13,6 +13,7 @@ from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
 from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
+from kvlab.plan.speculative import expected_speedup, expected_tokens_per_step, shared_pool_blocks, with_draft
 from kvlab.plan.vllm_blocks import DEVICES as VLLM_DEVICES
 from kvlab.plan.vllm_blocks import vllm_capacity
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
@@ -42,6 +43,9 @@ class PlanRequest:
     vllm_device: str = "cuda"
     max_num_batched_tokens: Optional[int] = None  # vllm serve's default for the card when None
     vllm_hybrid: bool = True  # False: vLLM's --disable-hybrid-kv-cache-manager
+    draft: Optional[ModelSpec] = None  # speculative decoding's draft model (its weights and KV count too)
+    acceptance_rate: Optional[float] = None
+    num_speculative_tokens: int = 3
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -123,9 +127,18 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     if spec.max_context is not None and request.context > spec.max_context:
         request.warnings.append(f"context {request.context} exceeds {spec.name}'s stated limit of "
                                 f"{spec.max_context} tokens; computing it anyway")
+    target = spec
+    if request.draft is not None:
+        if request.engine == "vllm":
+            raise PlanError("--draft with --engine vllm: vLLM's draft-model allocator is not modelled; "
+                            "use --engine kvlab")
+        spec = with_draft(target, request.draft)  # both caches per token: the KV figures below count both
     per_token = capacity.kv_bytes_per_token(spec, formats, tp)
     per_sequence = capacity.kv_bytes_per_sequence(spec, request.context, formats, tp)
-    weights = weight_bytes(spec, request.weight_dtype, request.weight_group_size)
+    weights = weight_bytes(target, request.weight_dtype, request.weight_group_size)
+    if request.draft is not None and weights is not None:
+        draft_weights = weight_bytes(request.draft, request.weight_dtype, request.weight_group_size)
+        weights = None if draft_weights is None else weights + draft_weights
     weights_per_rank = None if weights is None else -(-weights // tp)
     result: dict[str, Any] = {
         "model": describe_model(spec),
@@ -163,7 +176,34 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
                                        request.vllm_device, request.batched_tokens(), hybrid=request.vllm_hybrid)
     if request.device is not None:
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
+    if request.draft is not None:
+        _add_speculation(target, request, formats, usable, result)
     return result
+
+
+def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, budget: int,
+                     result: dict[str, Any]) -> None:
+    """The draft's share of memory, the shared pool kvlab's engine builds, and the paper's expected speed-up."""
+    draft, k = request.draft, request.num_speculative_tokens
+    blocks, target_block, draft_block = shared_pool_blocks(target, draft, budget, formats, request.block_size or 16)
+    target_weights = active_weight_bytes(target, weight_bytes(target, request.weight_dtype,
+                                                              request.weight_group_size))
+    draft_weights = active_weight_bytes(draft, weight_bytes(draft, request.weight_dtype, request.weight_group_size))
+    info: dict[str, Any] = {
+        "draft": draft.name, "draft_weight_bytes": draft_weights,
+        "draft_kv_bytes_per_token": capacity.kv_bytes_per_token(draft, formats, request.tensor_parallel),
+        "block_size": request.block_size or 16, "pool_blocks": blocks,
+        "pool_bytes_per_block": target_block + draft_block, "num_speculative_tokens": k,
+        # a batch-1 decode step reads every weight once: the draft's step costs its share of the bytes
+        "cost_ratio": draft_weights / target_weights if target_weights else None,
+        "cost_ratio_basis": "weight bytes read per decode step (memory-bound batch-1 decode)",
+    }
+    if request.acceptance_rate is not None:
+        info["acceptance_rate"] = request.acceptance_rate
+        info["expected_tokens_per_step"] = expected_tokens_per_step(request.acceptance_rate, k)
+        if info["cost_ratio"] is not None:
+            info["expected_speedup"] = expected_speedup(request.acceptance_rate, k, info["cost_ratio"])
+    result["speculative"] = info
 
 
 def _cache_budget(request: PlanRequest, weights_per_rank: Optional[int], result: dict[str, Any]) -> Optional[int]:

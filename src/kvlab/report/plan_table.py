@@ -53,6 +53,14 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         table.add_row("MLA latent", f"{model['kv_lora_rank']} + RoPE {model['qk_rope_head_dim']} per token per layer")
     if inputs["tensor_parallel_size"] > 1:
         table.add_row("tensor parallel", f"{inputs['tensor_parallel_size']} ranks, figures per rank")
+    spec = result.get("speculative")
+    if spec:
+        table.add_row(f"draft {spec['draft']}", f"weights {_size(spec['draft_weight_bytes'])}, KV "
+                                                f"{spec['draft_kv_bytes_per_token']:,} B/token (counted below)")
+        if "expected_speedup" in spec:
+            table.add_row(f"speculative, a={spec['acceptance_rate']}, k={spec['num_speculative_tokens']}",
+                          f"{spec['expected_tokens_per_step']:.2f} tokens/step, {spec['expected_speedup']:.2f}x "
+                          f"expected (draft step {spec['cost_ratio']:.3f} of the target's)")
     table.add_row("KV bytes per token", _size(result["kv_bytes_per_token"]))
     table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
     table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))

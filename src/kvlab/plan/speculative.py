@@ -1,0 +1,56 @@
+"""Speculative decoding's arithmetic: what a draft costs in memory, and what it should buy in speed.
+
+Memory: the draft's weights sit beside the target's, and its K/V beside the target's in the
+same pool. Caching both for every token is the same as caching one model with both models'
+layers, so the KV figures (bytes per token, seats, longest context) are the target's with the
+draft's layers appended (`with_draft`), and the engine's shared pool holds
+budget // (target + draft bytes per block) blocks, each addressing both caches.
+
+Speed (Leviathan, Kalman and Matias, 2022): with acceptance rate a and k drafted tokens, a
+step emits (1 - a^(k+1)) / (1 - a) tokens on average, and costs k draft steps plus one target
+verification; with c the draft step's cost relative to the target's, the expected speed-up
+over plain decoding is (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvlab.plan.capacity import CacheFormats, kv_bytes_per_sequence
+from kvlab.plan.errors import PlanError
+from kvlab.plan.spec import ModelSpec
+
+
+def with_draft(target: ModelSpec, draft: ModelSpec) -> ModelSpec:
+    """The target's spec with the draft's attention layers appended: what the shared cache holds per token."""
+    return replace(target, name=f"{target.name}+{draft.name}", layers=target.layers + draft.layers)
+
+
+def shared_pool_blocks(target: ModelSpec, draft: ModelSpec, budget: int, formats: CacheFormats,
+                       block_size: int) -> tuple[int, int, int]:
+    """(blocks, target bytes per block, draft bytes per block) of a pool where every block holds both caches."""
+    target_block = kv_bytes_per_sequence(target, block_size, formats)
+    draft_block = kv_bytes_per_sequence(draft, block_size, formats)
+    return max(0, budget) // (target_block + draft_block), target_block, draft_block
+
+
+def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
+    """Tokens one speculative step emits on average: 1 + a + a^2 + ... + a^k."""
+    _check(acceptance_rate, k)
+    if acceptance_rate == 1.0:
+        return float(k + 1)
+    return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
+
+
+def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float) -> float:
+    """Expected tokens per step over the step's relative cost (k draft steps at `cost_ratio` + 1 verification)."""
+    if cost_ratio < 0:
+        raise PlanError(f"the draft's relative cost must be non-negative, got {cost_ratio}")
+    return expected_tokens_per_step(acceptance_rate, k) / (k * cost_ratio + 1)
+
+
+def _check(acceptance_rate: float, k: int) -> None:
+    if not 0 <= acceptance_rate <= 1:
+        raise PlanError(f"--acceptance-rate must be in [0, 1], got {acceptance_rate}")
+    if not isinstance(k, int) or k < 1:
+        raise PlanError(f"--num-speculative-tokens must be a positive integer, got {k!r}")
