@@ -1,8 +1,13 @@
-"""Greedy output through the engine equals `kvlab generate` token for token, whatever the batching."""
+"""Greedy output through the engine equals `kvlab generate` token for token, whatever the batching.
+
+"Equal" allows one thing: where the reference's two best logits tie within 0.01, the engine's
+packed products (another summation order) may pick the other (engine_helpers.first_divergence_is_a_tie).
+"""
 
 import pytest
 
-from engine_helpers import PROMPTS, assert_pool_free, collect, greedy, make_engine, reference, run_all
+from engine_helpers import PROMPTS, assert_outputs_match, assert_pool_free, collect, greedy, make_engine, reference, \
+    run_all
 
 BYTES_PER_TOKEN = {"auto": 1280, "fp16": 640, "int8": 480}  # stories260K: 5 layers x 4 KV heads x 8 x (K, V)
 
@@ -18,11 +23,12 @@ def test_mixed_workload_with_joins_and_preemption(stories_model, stories_tokeniz
     work = list(zip(PROMPTS[:4], [40, 25, 33, 50]))
     wanted, got = {}, {}
     for i, (prompt, n) in enumerate(work):
-        wanted[engine.add_request(prompt, greedy(n)).request_id] = reference(model, tok, prompt, n, kv_cache_dtype)
+        wanted[engine.add_request(prompt, greedy(n)).request_id] = (prompt, reference(model, tok, prompt, n,
+                                                                                      kv_cache_dtype))
         for _ in range(3 * i):
             collect(engine.step(), got)  # later requests join mid-flight
     run_all(engine, got)
-    assert got == wanted
+    assert_outputs_match(model, tok, wanted, got, kv_cache_dtype)
     assert engine.scheduler.num_preemptions > 0
     assert_pool_free(engine)
 
@@ -35,9 +41,10 @@ def test_every_request_equals_kvlab_generate(stories_model, stories_tokenizer, k
     wanted, got = {}, {}
     for i, prompt in enumerate(PROMPTS):
         n = 20 + 7 * i
-        wanted[engine.add_request(prompt, greedy(n)).request_id] = reference(model, tok, prompt, n, kv_cache_dtype)
+        wanted[engine.add_request(prompt, greedy(n)).request_id] = (prompt, reference(model, tok, prompt, n,
+                                                                                      kv_cache_dtype))
         if i % 2:
             collect(engine.step(), got)
-    assert run_all(engine, got) == wanted
+    assert_outputs_match(model, tok, wanted, run_all(engine, got), kv_cache_dtype)
     assert engine.scheduler.num_preemptions == 0
     assert_pool_free(engine)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine_helpers import PROMPTS, assert_pool_free, collect, greedy, make_engine, reference, run_all
+from engine_helpers import PROMPTS, assert_outputs_match, assert_pool_free, collect, greedy, make_engine, reference, \
+    run_all
 from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.speculative import SpeculativeConfig, accept, ngram_proposal
@@ -77,13 +78,14 @@ def test_greedy_output_with_speculation_is_the_output_without(stories_model, sto
     engine = make_engine(model, tok, speculative_config=spec, block_size=8, max_num_batched_tokens=32)
     alone = engine.add_request(PROMPTS[0], greedy(40))  # batch 1 first
     got = run_all(engine)
-    assert got[alone.request_id] == reference(model, tok, PROMPTS[0], 40)
+    assert_outputs_match(model, tok, {alone.request_id: (PROMPTS[0], reference(model, tok, PROMPTS[0], 40))}, got)
     wanted = {}
     for i, prompt in enumerate(PROMPTS[1:5]):  # then a mixed batch: prompts chunked beside speculative decodes
-        wanted[engine.add_request(prompt, greedy(30 + 5 * i)).request_id] = reference(model, tok, prompt, 30 + 5 * i)
+        n = 30 + 5 * i
+        wanted[engine.add_request(prompt, greedy(n)).request_id] = (prompt, reference(model, tok, prompt, n))
         collect(engine.step(), got)
     run_all(engine, got)
-    assert {r: got[r] for r in wanted} == wanted
+    assert_outputs_match(model, tok, wanted, got)
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     assert stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / stats.num_drafts
