@@ -19,7 +19,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.engine.sampling import Sampled, SamplingParams, filtered_logits, sample_rows
+from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
@@ -150,14 +150,4 @@ class ModelRunner:
         seq.num_computed = start + 1 + accepted  # the last token and the accepted drafts hold valid K/V
         if self.spec.method == "draft_model":  # the draft wrote K/V for [last, drafts[:-1]]
             seq.draft_computed = start + 1 + min(accepted, len(drafts) - 1)
-        out = []
-        for j, token in enumerate(tokens):
-            sampled = Sampled(token)
-            if params.logprobs is not None:
-                logp = torch.log_softmax(logits[j].float(), dim=-1)
-                sampled.logprob = float(logp[token])
-                if params.logprobs:
-                    top = torch.topk(logp, params.logprobs)
-                    sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-            out.append(sampled)
-        return out
+        return [drawn(token, logits[j], params) for j, token in enumerate(tokens)]

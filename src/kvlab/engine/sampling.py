@@ -106,12 +106,17 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
         else:
             probs = torch.softmax(filtered_logits(logits[row], p), dim=-1)
             token = int(torch.multinomial(probs, 1, generator=gen or default))
-        sampled = Sampled(token)
-        if p.logprobs is not None:
-            logp = torch.log_softmax(logits[row].float(), dim=-1)
-            sampled.logprob = float(logp[token])
-            if p.logprobs:
-                top = torch.topk(logp, p.logprobs)
-                sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-        out.append(sampled)
+        out.append(drawn(token, logits[row], p))
     return out
+
+
+def drawn(token: int, logits: torch.Tensor, params: SamplingParams) -> Sampled:
+    """`token` drawn from logits [V], with its log-probability and the top-N when the request asks."""
+    sampled = Sampled(token)
+    if params.logprobs is not None:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        sampled.logprob = float(logp[token])
+        if params.logprobs:
+            top = torch.topk(logp, params.logprobs)
+            sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+    return sampled
