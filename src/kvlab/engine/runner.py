@@ -19,6 +19,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
+from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep
 from kvlab.engine.sequence import Sequence
@@ -41,7 +42,8 @@ class ModelRunner:
             layers = model.config.n_layers
             self.self_layers = speculative.num_layers or max(1, layers // 4)
             if not 1 <= self.self_layers < layers:
-                raise ValueError(f"a self-draft needs 1 to {layers - 1} of the target's {layers} layers")
+                raise RequestError(f"a self-draft needs 1 to {layers - 1} of the target's {layers} layers, "
+                                   f"got num_layers={self.self_layers}", "speculative_config")
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[list[Sampled]]:
