@@ -87,11 +87,21 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(stories_model
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0),
-                                 dict(top_k=-2), dict(min_p=2), dict(logprobs=99), dict(stop=[""])])
+                                 dict(top_k=-2), dict(min_p=2), dict(logprobs=99), dict(stop=[""]),
+                                 dict(temperature=float("nan")), dict(seed=2**64), dict(seed=-2**63 - 1)])
 def test_bad_sampling_params_name_the_field(bad):
     with pytest.raises(RequestError) as caught:
         SamplingParams(**bad)
     assert caught.value.param == next(iter(bad))
+
+
+def test_tiny_temperatures_are_greedy(stories_model, stories_tokenizer):
+    """vLLM's rule: under 1e-5 is greedy; dividing logits by 1e-40 would give inf and a NaN draw (once a 500)."""
+    engine = make_engine(stories_model, stories_tokenizer)
+    tiny = engine.add_request("Once upon a time", SamplingParams(temperature=1e-40, max_tokens=8))
+    zero = engine.add_request("Once upon a time", greedy(8))
+    run_all(engine)
+    assert tiny.output_ids == zero.output_ids and tiny.finish_reason == "length"
 
 
 def test_a_failing_model_step_fails_its_requests_and_frees_their_blocks(stories_model, stories_tokenizer,
@@ -127,4 +137,28 @@ def test_long_prompt_is_chunked_while_others_decode(stories_model, stories_token
         assert len(short.output_ids) == before + 1 or short.finished
     assert steps_reading >= len(late.prompt_ids) // 16  # the prompt came in chunks of at most 16 tokens
     run_all(engine)
+    assert_pool_free(engine)
+
+
+def test_a_request_that_fails_inside_the_model_fails_alone(stories_model, stories_tokenizer, monkeypatch):
+    """One poisoned request in a batch: the step is retried one sequence at a time, the others go on."""
+    engine = make_engine(stories_model, stories_tokenizer)
+    good = [engine.add_request("Once upon a time", greedy(6)) for _ in range(2)]
+    original = engine.runner.run
+
+    def poisoned(step):
+        if any(seq.request_id == "bad" for seq in step.seqs):
+            raise RuntimeError("boom")
+        return original(step)
+    engine.step()
+    monkeypatch.setattr(engine.runner, "run", poisoned)
+    bad = engine.add_request("The cat", greedy(6), request_id="bad")
+    deltas = engine.step()
+    assert [d.request_id for d in deltas if d.error] == ["bad"] and bad.finished
+    run_all(engine)
+    assert [seq.finish_reason for seq in good] == ["length", "length"]
+    reference = make_engine(stories_model, stories_tokenizer)
+    ref = reference.add_request("Once upon a time", greedy(6))
+    run_all(reference)
+    assert good[0].output_ids == good[1].output_ids == ref.output_ids
     assert_pool_free(engine)

@@ -129,12 +129,26 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise PlanError(f"{directory} is not a model directory: {os.path.basename(path)} is missing")
-    with open(config_path) as f:
-        data = json.load(f)
-    config = config_from_json(data)
-    state = load_file(weights_path)
-    if "kvlab_config" not in data:
-        state = from_hf_state(state, config)
-    model = Decoder.from_state_dict(config, state)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise PlanError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{config_path} must hold a JSON object, not a {type(data).__name__}")
+    try:
+        state = load_file(weights_path)
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
+        raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
+    try:  # a config with wrong types, or tensors of the wrong names or shapes, is the user's file
+        config = config_from_json(data)
+        if "kvlab_config" not in data:
+            state = from_hf_state(state, config)
+        model = Decoder.from_state_dict(config, state)
+    except PlanError:
+        raise
+    except (TypeError, ValueError, KeyError, RuntimeError) as error:
+        raise PlanError(f"{directory} does not describe a model kvlab can build: {type(error).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else ''}") from None
     tokenizer = Tokenizer.load(directory) if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
     return model.to(dtype).eval(), tokenizer

@@ -23,7 +23,7 @@ from kvlab.engine.errors import RequestError
 from kvlab.engine.outputs import StepDelta
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
-from kvlab.engine.scheduler import Scheduler, SchedulerConfig
+from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.plan.capacity import cache_formats
@@ -191,20 +191,17 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(now)
         if not scheduled:
             return []
+        deltas: list[StepDelta] = []
+        starts = [(seq.num_computed, seq.draft_computed) for seq in scheduled.seqs]
         try:
             sampled = self.runner.run(scheduled)
-        except Exception as error:  # noqa: BLE001 - the step's requests fail; the engine and others go on
+        except Exception as error:  # noqa: BLE001 - the failing requests fail; the engine and others go on
             log.exception("a model step failed")
-            deltas = []
-            for seq in scheduled.seqs:
-                self.requests.pop(seq.request_id, None)
-                self._finish(seq, "abort", f"{type(error).__name__}: {error}")
-                deltas.append(StepDelta(seq.request_id, finished=True, finish_reason="abort",
-                                        error=seq.error))
-            return deltas
+            sampled = self._isolate(scheduled, starts, error, deltas)
         done = now if virtual else self.clock()
-        deltas = []
         for seq, draws in zip(scheduled.seqs, sampled):
+            if seq.finished:  # failed alone in _isolate
+                continue
             self.blocks.commit_full_blocks(seq)
             if self.speculative is not None:
                 self.blocks.trim(seq)
@@ -223,6 +220,30 @@ class LLMEngine:
             if delta is not None:
                 deltas.append(delta)
         return deltas
+
+    def _isolate(self, scheduled: ScheduledStep, starts: list[tuple[int, int]], error: Exception,
+                 deltas: list[StepDelta]) -> list[list]:
+        """After a failed step, run its sequences one by one, so only those that fail alone fail.
+
+        The failed step's progress is rolled back (num_computed and the draft's position to
+        where they started; nothing was emitted), and rerunning rewrites the same pool slots,
+        so each retry is the step it would have been. One bad request then costs its batch
+        one step's time, not its answers.
+        """
+        sampled: list[list] = []
+        for seq, n, (computed, drafted) in zip(scheduled.seqs, scheduled.num_tokens, starts):
+            seq.num_computed, seq.draft_computed, failure = computed, drafted, error
+            if len(scheduled.seqs) > 1:
+                try:
+                    sampled.append(self.runner.run(ScheduledStep([seq], [n]))[0])
+                    continue
+                except Exception as alone:  # noqa: BLE001
+                    failure = alone
+            self.requests.pop(seq.request_id, None)
+            self._finish(seq, "abort", f"{type(failure).__name__}: {failure}")
+            deltas.append(StepDelta(seq.request_id, finished=True, finish_reason="abort", error=seq.error))
+            sampled.append([])
+        return sampled
 
     @property
     def spec_stats(self):

@@ -9,10 +9,16 @@ to k drafted tokens from its proposer; the target then reads [last token, drafts
 same pass as everyone else's prompt chunks, and the acceptance rule decides what is
 emitted. The K/V the target wrote for rejected drafts lie past `num_computed`: they are
 never read, and their blocks are handed back (BlockManager.trim).
+
+Test hook: with KVLAB_FAULT_INJECT=ID in the environment, a step that feeds token ID from a
+prompt raises RuntimeError before the model runs, as a failing kernel would; the reliability
+tests use it to check that such a request fails alone and frees its blocks. Unset, it costs
+one comparison per step.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +41,8 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.generator = torch.Generator().manual_seed(seed)
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
+        fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
+        self.fault_token = int(fault) if fault.lstrip("-").isdigit() else None
         self.spec, self.draft_model, self.draft_pool = speculative, draft_model, draft_pool
         self.spec_stats = SpecStats()
         self.max_model_len = max_model_len or model.config.max_seq_len
@@ -48,6 +56,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[list[Sampled]]:
         """Feed each sequence its scheduled tokens; per sequence, the tokens it emits this step (often none or one)."""
+        if self.fault_token is not None:
+            self._maybe_fault(step)
         seqs = step.seqs
         decoding = [seq.num_computed == seq.num_tokens - 1 and n == 1 for seq, n in zip(seqs, step.num_tokens)]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -89,6 +99,11 @@ class ModelRunner:
             for i, sampled in zip(plain, drawn):
                 out[i] = [sampled]
         return out
+
+    def _maybe_fault(self, step: ScheduledStep) -> None:
+        for seq, n in zip(step.seqs, step.num_tokens):
+            if self.fault_token in seq.prompt_ids[seq.num_computed:seq.num_computed + n]:
+                raise RuntimeError(f"injected fault (KVLAB_FAULT_INJECT={self.fault_token}) in {seq.request_id}")
 
     # -- speculation -------------------------------------------------------------------------------
 

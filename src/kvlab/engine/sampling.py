@@ -16,6 +16,9 @@ import torch
 
 from kvlab.engine.errors import RequestError
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
@@ -46,7 +49,7 @@ class SamplingParams:
 
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:  # NaN fails too
             raise bad("temperature", f"must be non-negative, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
@@ -56,8 +59,8 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer from 0 to 20, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
@@ -65,7 +68,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """vLLM's rule: a temperature under 1e-5 is greedy (dividing by it would overflow to inf/NaN)."""
+        return self.temperature < SAMPLING_EPS
 
 
 @dataclass
