@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import httpx
 
@@ -21,14 +22,15 @@ def free_port() -> int:
 
 
 class Served:
-    def __init__(self, model: str, *flags: str, name: str = "test-model") -> None:
-        self.port = free_port()
+    def __init__(self, model: str, *flags: str, name: str = "test-model", port: Optional[int] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.port = port or free_port()
         self.name = name
         self.base = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "kvlab.cli", "serve", model, "--port", str(self.port),
                 "--served-model-name", name, "--threads", "1", "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -40,6 +42,14 @@ class Served:
                 time.sleep(0.2)
         self.stop()
         raise RuntimeError("kvlab serve did not start within 120 s")
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory (VmRSS in /proc/PID/status)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS line")
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.base + "/metrics", timeout=10).text

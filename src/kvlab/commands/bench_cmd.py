@@ -1,4 +1,4 @@
-"""`kvlab bench throughput MODEL`: offline throughput through the engine (after `vllm bench throughput`)."""
+"""`kvlab bench throughput MODEL` (offline, through the engine) and `kvlab bench serve` (a server under load)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ THROUGHPUT_HELP = "N random prompts through the engine at once: request and toke
 
 def add_parser(subparsers, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput"))
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput or serve"))
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
     add_engine_arguments(tp)
@@ -28,6 +28,8 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
                            "`kvlab generate` on one prompt (the ratios' denominators)")
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
+    from kvlab.commands import bench_serve_cmd
+    bench_serve_cmd.add_parser(benches)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
