@@ -140,13 +140,13 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder
         state = load_file(weights_path)
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
         raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
-    try:  # a config with wrong types, or tensors of the wrong names or shapes, is the user's file
+    try:  # a config with missing fields or wrong types, or tensors of the wrong names or shapes: the user's files
         config = config_from_json(data)
         if "kvlab_config" not in data:
             state = from_hf_state(state, config)
         model = Decoder.from_state_dict(config, state)
-    except PlanError:
-        raise
+    except PlanError as error:
+        raise PlanError(f"{directory}: {error}") from None
     except (TypeError, ValueError, KeyError, RuntimeError) as error:
         raise PlanError(f"{directory} does not describe a model kvlab can build: {type(error).__name__}: "
                         f"{str(error).splitlines()[0] if str(error) else ''}") from None

@@ -41,7 +41,14 @@ class Tokenizer:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
     def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the Rust tokenizer refuses lone surrogates ("\ud800"), which JSON can carry
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise PlanError(f"the text is not valid Unicode: {error.reason} at position {error.start}") from None
+            raise
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids

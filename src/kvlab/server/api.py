@@ -2,7 +2,8 @@
 
 Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a body
 that is malformed, mistyped or asks for something impossible (kvlab.errors.KvlabError, mapped
-here once), 401 without the API key, 404 for an unknown model, 503 when too many requests wait,
+here once; FastAPI's own refusals too), 401 without the API key, 404 for an unknown model or
+route, 503 when too many requests wait,
 500 when the model itself fails. A client that disconnects mid-stream aborts its request.
 """
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from kvlab import __version__
 from kvlab.engine.errors import EngineOverloaded, RequestError
@@ -46,6 +48,12 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error(f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", "BadRequestError", 400,
                      where)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """FastAPI's own refusals (a body that is not UTF-8 or nests too deep, an unknown route) in OpenAI's shape."""
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+        return error(str(exc.detail), kinds.get(exc.status_code, "BadRequestError"), exc.status_code)
 
     @app.exception_handler(KvlabError)
     async def refused(_: Request, exc: KvlabError) -> JSONResponse:
