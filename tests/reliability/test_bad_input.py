@@ -91,7 +91,7 @@ def test_chat_fuzz(served, fields):
     post(served, "/v1/chat/completions", encode({"model": "test-model", **fields}))
 
 
-@pytest.mark.parametrize("content", [
+ODD_BODIES = [
     b"", b"{", b"null", b"[]", b'"just a string"', b"\xff\xfe\x00garbage",
     b'{"model": "test-model", "prompt": "\xff\xfe invalid utf-8"}',
     b'{"model": "test-model", "prompt": "\\ud800 lone surrogate"}',
@@ -105,7 +105,10 @@ def test_chat_fuzz(served, fields):
     encode({"model": "test-model", "prompt": "x", "seed": 2**64}),
     encode({"model": "test-model", "prompt": "x", "stop": ["", None]}),
     encode({"model": "test-model", "prompt": "x", "stop": ["a"] * 10_000, "max_tokens": 4}),
-])
+]
+
+
+@pytest.mark.parametrize("content", ODD_BODIES, ids=[f"{i}:{c[:24]!r}:{len(c)}B" for i, c in enumerate(ODD_BODIES)])
 def test_odd_bodies(served, content):
     post(served, "/v1/completions", content)
 

@@ -23,9 +23,14 @@ from server_helpers import Served
 FAULT_TOKEN = 3  # stories260K's <0x00> byte piece: never in the text prompts below, nor fed back in decode
 
 
-@pytest.fixture(autouse=True)
-def stories_present():
+@pytest.fixture(scope="module")
+def faulty():
+    """One server with the fault hook armed; the SIGKILL test below ends it."""
     require_file(STORIES, "../shared/models/stories260K.gguf")
+    served = Served(str(STORIES), "--kv-cache-memory", "2MB", "--block-size", "8",
+                    env={"KVLAB_FAULT_INJECT": str(FAULT_TOKEN)})
+    yield served
+    served.stop()
 
 
 def complete(base: str, prompt, max_tokens: int = 60, **extra) -> httpx.Response:
@@ -33,40 +38,36 @@ def complete(base: str, prompt, max_tokens: int = 60, **extra) -> httpx.Response
     return httpx.post(base + "/v1/completions", json=body, timeout=60)
 
 
-def test_a_request_failing_inside_the_model_fails_alone_and_frees_its_blocks():
-    served = Served(str(STORIES), "--kv-cache-memory", "2MB", "--block-size", "8",
-                    env={"KVLAB_FAULT_INJECT": str(FAULT_TOKEN)})
-    try:
-        reference = complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"]
-        texts: list[str] = []
+def test_a_request_failing_inside_the_model_fails_alone_and_frees_its_blocks(faulty):
+    served = faulty
+    reference = complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"]
+    texts: list[str] = []
 
-        def neighbour() -> None:
-            texts.append(complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"])
-        threads = [threading.Thread(target=neighbour) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.05)
-        bad = complete(served.base, [1, 403, FAULT_TOKEN, 407], ignore_eos=True)
-        for t in threads:
-            t.join(60)
-        assert bad.status_code == 500
-        err = bad.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 500
-        assert err["type"] == "InternalServerError" and "injected fault" in err["message"]
-        assert texts == [reference] * 3  # batched beside it, untouched
-        body = {"model": "test-model", "prompt": [1, FAULT_TOKEN], "max_tokens": 8, "stream": True}
-        with httpx.stream("POST", served.base + "/v1/completions", json=body, timeout=60) as reply:
-            events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
-        assert events[-1]["error"]["code"] == 500  # streamed: the error arrives as the last event
-        idle = served.wait_idle()
-        assert idle["kv_cache_usage_perc"] == 0 and idle["num_requests_running"] == 0
-        assert complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"] == reference
-    finally:
-        assert served.stop() == 0
+    def neighbour() -> None:
+        texts.append(complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"])
+    threads = [threading.Thread(target=neighbour) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    bad = complete(served.base, [1, 403, FAULT_TOKEN, 407], ignore_eos=True)
+    for t in threads:
+        t.join(60)
+    assert bad.status_code == 500
+    err = bad.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 500
+    assert err["type"] == "InternalServerError" and "injected fault" in err["message"]
+    assert texts == [reference] * 3  # batched beside it, untouched
+    body = {"model": "test-model", "prompt": [1, FAULT_TOKEN], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", served.base + "/v1/completions", json=body, timeout=60) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 500  # streamed: the error arrives as the last event
+    idle = served.wait_idle()
+    assert idle["kv_cache_usage_perc"] == 0 and idle["num_requests_running"] == 0
+    assert complete(served.base, "Once upon a time", ignore_eos=True).json()["choices"][0]["text"] == reference
 
 
-def test_sigkill_mid_generation_then_a_restart_on_the_same_port_serves():
-    served = Served(str(STORIES), "--kv-cache-memory", "2MB")
+def test_sigkill_mid_generation_then_a_restart_on_the_same_port_serves(faulty):
+    served = faulty
     port, seen = served.port, []
 
     def stream() -> None:
@@ -92,5 +93,6 @@ def test_sigkill_mid_generation_then_a_restart_on_the_same_port_serves():
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
         idle = again.wait_idle()
         assert idle["kv_cache_usage_perc"] == 0 and idle["generation_tokens_total"] == 8  # a fresh process
+        assert complete(again.base, [1, FAULT_TOKEN], max_tokens=4).status_code == 200  # and no fault hook now
     finally:
         assert again.stop() == 0
