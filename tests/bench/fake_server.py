@@ -1,7 +1,7 @@
 """A tiny OpenAI-shaped streaming server on loopback with known timing, to test the load generator.
 
 Each completion streams `max_tokens` one-word chunks `gap_s` apart (the first after `ttft_s`),
-then a usage chunk when asked for it. `strict=True` refuses vLLM's extras with a 400, as a
+then a usage chunk when asked for it; a chat stream opens with a role-only chunk at once. `strict=True` refuses vLLM's extras with a 400, as a
 server without them would; a prompt containing FAIL is a 500.
 """
 
@@ -48,6 +48,10 @@ class FakeServer:
                 self.end_headers()
                 n = body.get("max_tokens") or body.get("max_completion_tokens")
                 try:
+                    if "messages" in body:  # a role-only opening chunk at once, as kvlab's server sends it
+                        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                        self.wfile.write(f"data: {json.dumps({'choices': [opening]})}\n\n".encode())
+                        self.wfile.flush()
                     time.sleep(fake.ttft_s)
                     for i in range(n):
                         if i:

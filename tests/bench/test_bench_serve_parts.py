@@ -149,3 +149,11 @@ def test_failures_and_hang_ups_are_counted_never_dropped():
     assert m["status_counts"] == {"200": 7, "500": 1}
     assert any("HTTP 500: boom" in o.error for o in outputs)
     assert sum(r.disconnect_after is not None for r in reqs) == 3
+
+
+def test_a_chat_streams_role_only_opening_chunk_is_not_the_first_token():
+    with FakeServer(ttft_s=0.15, gap_s=0.01) as fake:
+        config = ServeBenchConfig(fake.base, "fake", endpoint="/v1/chat/completions")
+        outputs, _ = asyncio.run(run_level(config, [SampleRequest("hi", None, 3)], None, True))
+    assert outputs[0].success and outputs[0].ttft >= 0.15 and outputs[0].chunks == 3
+    assert outputs[0].generated_text == " w w w"

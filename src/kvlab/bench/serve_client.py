@@ -2,7 +2,9 @@
 
 Timing follows vLLM's `benchmarks/lib/endpoint_request_func.py`: the clock starts as the
 request is sent; TTFT is the first chunk that carries a choice; each later such chunk adds an
-inter-token latency; the request's latency (E2EL) ends at the last token chunk, not at the
+inter-token latency. One difference: a chat stream's opening chunk that holds only the role
+(empty content, no finish reason) is not a token; vLLM's server sends it with the first token,
+but servers that send it at once (kvlab's does) would otherwise report a TTFT of ~0; the request's latency (E2EL) ends at the last token chunk, not at the
 trailing usage chunk. A request succeeds when it streamed at least one token and ended
 cleanly. A request the client itself abandons (`disconnect_after`) is `cancelled`, neither
 completed nor failed; every other outcome is counted, with its HTTP status and error.
@@ -98,15 +100,20 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict
                 out.status = err.get("code") if isinstance(err.get("code"), int) else 500
                 out.error = f"stream error {out.status}: {err.get('message')}"
                 return
-            if chunk.get("choices"):
+            choice = (chunk.get("choices") or [None])[0]
+            piece = None
+            if isinstance(choice, dict):
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") if chat else choice.get("text")
+                if chat and "role" in delta and not piece and choice.get("finish_reason") is None:
+                    continue  # the role-only opening chunk carries no token
+            if choice is not None:
                 now = time.perf_counter()
                 if out.chunks == 0:
                     out.ttft = now - started
                 else:
                     out.itl.append(now - last)
                 last = now
-                choice = chunk["choices"][0]
-                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                 out.generated_text += piece or ""
                 out.chunks += 1
                 if disconnect_after is not None and out.chunks >= disconnect_after:
