@@ -1,8 +1,9 @@
 """A tiny OpenAI-shaped streaming server on loopback with known timing, to test the load generator.
 
 Each completion streams `max_tokens` one-word chunks `gap_s` apart (the first after `ttft_s`),
-then a usage chunk when asked for it; a chat stream opens with a role-only chunk at once. `strict=True` refuses vLLM's extras with a 400, as a
-server without them would; a prompt containing FAIL is a 500.
+then a usage chunk when asked for it; a chat stream opens with a role-only chunk at once.
+`strict=True` refuses vLLM's extras with a 400, as a server without them would; a prompt
+containing FAIL is a 500.
 """
 
 from __future__ import annotations

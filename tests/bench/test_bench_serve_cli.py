@@ -18,7 +18,8 @@ VLLM_KEYS = {"date", "backend", "label", "model_id", "tokenizer_id", "num_prompt
              "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
              "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
              "max_output_tokens_per_s", "max_concurrent_requests"} | {
-             f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p90", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
+             f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p90", "p99")
+             for m in ("ttft", "tpot", "itl", "e2el")}
 
 
 @pytest.fixture(scope="module")

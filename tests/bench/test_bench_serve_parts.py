@@ -95,7 +95,8 @@ def test_prefix_repetition(tokenizer):
 
 
 def test_sharegpt_file_of_the_real_shape(tmp_path, tokenizer):
-    conv = lambda q, a: {"id": q[:3], "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}  # noqa: E731
+    def conv(q: str, a: str) -> dict:
+        return {"id": q[:3], "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
     data = [conv("Once upon a time there was a dog", "The dog ran to the park and played all day long."),
             conv("Tell me a story about a cat", "A cat sat on a mat. It was happy."),
             {"id": "one-turn", "conversations": [{"from": "human", "value": "alone"}]},

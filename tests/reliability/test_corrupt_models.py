@@ -31,7 +31,8 @@ def hf_cases(tmp_path) -> dict[str, str]:
     good = {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
             "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 172}
     configs = {"not-json": "{\"model_type\": \"llama\",", "a-list": "[1, 2]", "empty": "",
-               "missing-fields": json.dumps({"model_type": "llama"}), "wrong-types": json.dumps({**good, "hidden_size": "64"}),
+               "missing-fields": json.dumps({"model_type": "llama"}),
+               "wrong-types": json.dumps({**good, "hidden_size": "64"}),
                "bad-weights": json.dumps(good), "not-utf8": b"\xff\xfe{}"}
     out = {}
     for name, config in configs.items():

