@@ -46,6 +46,7 @@ static inline uint8_t fp8_encode(float x, int e4m3) {
     const int binade = e - 1 < 1 - bias ? 1 - bias : e - 1; /* subnormals share the lowest binade's step */
     const float step = ldexpf(1.0f, binade - mbits);
     a = rintf(a / step) * step; /* exact scaling by powers of two; rintf rounds half to even */
+    if (a == 0.0f) return sign; /* below half the smallest subnormal */
     frexpf(a, &e);
     if (e - 1 < 1 - bias) return sign | (uint8_t)(a / ldexpf(1.0f, 1 - bias - mbits)); /* subnormal */
     const int mant = (int)(a / ldexpf(1.0f, e - 1 - mbits)) - (1 << mbits);
