@@ -147,6 +147,21 @@ def test_fp8_scales_per_tensor_and_per_head(name):
     check_steps(ggml_model(LONG), POSITIONS[3], fmt=fmt, k_scale=0.05, v_scale=[0.5, 0.02])
 
 
+# Shapes that take the attention kernel's other paths: 64-channel heads (SmolLM2's; value
+# passes of 32 channels, three query heads a pack), and groups of 8 and 6 query heads per KV
+# head, which go in packs of four and the rest.
+WIDE = ModelConfig(**{**LONG.to_dict(), "dim": 192, "n_heads": 3, "n_kv_heads": 1, "name": "wide-d64"})
+PACKS = [WIDE, ModelConfig(**{**LONG.to_dict(), "n_heads": 8, "n_kv_heads": 1, "name": "group8-d8"}),
+         ModelConfig(**{**LONG.to_dict(), "dim": 96, "n_heads": 6, "n_kv_heads": 1, "name": "group6-d16"})]
+
+
+@pytest.mark.parametrize("config", PACKS, ids=lambda c: c.name)
+@pytest.mark.parametrize("kv_cache_dtype,group_size", [("auto", None), ("fp8_e4m3", None), ("int8", None),
+                                                       ("int8", 16)], ids=["fp32", "fp8_e4m3", "int8", "int8-g16"])
+def test_head_shapes_and_query_packs(config, kv_cache_dtype, group_size):
+    check_steps(ggml_model(config), POSITIONS[3], kv_cache_dtype, group_size=group_size, steps=1)
+
+
 def test_seventeen_rows_in_an_int8_pool():
     check_steps(ggml_model(LONG.with_kv_heads(1)), POSITIONS[17], "int8", steps=1)
 

@@ -102,11 +102,11 @@ static inline void store_row(const kv_plane *p, int dtype, size_t slot, int head
     }
 }
 
-/* Channels i .. i + 7 of row `slot`, widened to fp32. fp8 lanes come back unscaled (e4m3 also
- * 2^-8 too small): the caller multiplies dot products by fp8_factor. For int8, s and z are
- * the current group's scale and zero (the caller loads them as it enters each group). */
-static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int dtype, size_t slot, int i, int d,
-                                                         __m256 s, __m256 z) {
+/* Channels i .. i + 7 of row `slot`, widened to fp32 but not yet scaled: fp8 lanes come back
+ * without their per-head scale (e4m3 also 2^-8 too small), int8 lanes as the bare codes. The
+ * attention loop applies scales to whole dot products and weights instead (fp8_factor, the
+ * int8 groups' scale and zero), which costs one multiply per token instead of one per lane. */
+static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int dtype, size_t slot, int i, int d) {
     const size_t at = slot * d + i;
     switch (dtype) {
     case CACHE_F32:
@@ -126,10 +126,9 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
                                        _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
         return _mm256_cvtph_ps(h);
     }
-    default: { /* CACHE_INT8 */
-        const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at)));
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes), s, z);
-    }
+    default: /* CACHE_INT8 */
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at))));
     }
 }
 

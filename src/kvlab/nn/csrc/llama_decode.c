@@ -92,80 +92,209 @@ void exp_nonpositive(const float *x, float *y, int n) {
 }
 
 
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* Four horizontal sums at once: [sum a, sum b, sum c, sum d]. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* An int8 cache with several groups per row is read through this pseudo-format: its lanes are
+ * dequantised on load. With one group per row (group_size >= head_dim, the default) scale and
+ * zero apply to whole dot products and weights instead (CACHE_INT8). */
+enum { CACHE_INT8_GROUPS = CACHE_INT8 + 1 };
+
+/* What one attention unit reads, resolved once: the chunk's cache rows and, for a one-group
+ * int8 cache, each row's scale and zero widened to fp32 (used by every head of the unit). */
+typedef struct {
+    size_t slots[CHUNK]; /* row (block, head, offset) of each of the chunk's tokens */
+    float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
+    int len, d, gsize, groups;
+} chunk_rows;
+
+static inline float half_at(const uint16_t *h, size_t i) { return f16_to_f32(h[i]); }
+
+/* Whether the next 8 of n slots are one run of consecutive rows (inside one block, or blocks
+ * that happen to be adjacent): checking the ends alone would miss a block in between. */
+static inline int consecutive(const size_t *slots, int n) {
+    if (n < 8) return 0;
+    for (int u = 1; u < 8; u++)
+        if (slots[u] != slots[0] + u) return 0;
+    return 1;
+}
+
+/* Lanes i .. i + 7 of row `slot` as load8 gives them, dequantised for CACHE_INT8_GROUPS. */
+static inline __attribute__((always_inline)) __m256 lanes(const kv_plane *p, int dtype, const chunk_rows *c,
+                                                         size_t slot, int i) {
+    if (dtype != CACHE_INT8_GROUPS) return load8(p, dtype, slot, i, c->d);
+    const size_t at = slot * c->groups + i / c->gsize;
+    return _mm256_fmadd_ps(load8(p, CACHE_INT8, slot, i, c->d), _mm256_set1_ps(half_at(p->scale, at)),
+                           _mm256_set1_ps(half_at(p->zero, at)));
+}
+
+/* dots[h][t] = q_h . k_t (raw lanes) for GH query heads (q, stride d) and TB keys from t0 on:
+ * each key's lanes are loaded and widened once for all GH heads, each query load serves TB
+ * keys, the GH x TB accumulators stay in registers and are summed four at a time. */
+static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, int dtype, const chunk_rows *c,
+                                                          const float *q, int t0, float *dots, const int GH,
+                                                          const int TB) {
+    __m256 acc[GH * TB];
+    for (int a = 0; a < GH * TB; a++) acc[a] = _mm256_setzero_ps();
+    for (int i = 0; i < c->d; i += 8) {
+        for (int u = 0; u < TB; u++) {
+            const __m256 x = lanes(k, dtype, c, c->slots[t0 + u], i);
+            for (int h = 0; h < GH; h++) acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x,
+                                                                         acc[h * TB + u]);
+        }
+    }
+    float sums[GH * TB + 3];
+    int a = 0;
+    for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
+    for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
+}
+
+/* out[h][i0 .. i0 + 8 NV) = sum_t w[h][t] v_t (raw lanes) over the chunk for GH query heads
+ * (w stride CHUNK, out stride d): each value's lanes are widened once for all GH heads, the
+ * GH x NV accumulators stay in registers across the chunk. */
+static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, int dtype, const chunk_rows *c,
+                                                            const float *w, int i0, const float *offset,
+                                                            float factor, float *out, const int GH, const int NV) {
+    __m256 acc[GH][NV];
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < NV; u++) acc[h][u] = _mm256_setzero_ps();
+    for (int t = 0; t < c->len; t++) {
+        const size_t slot = c->slots[t];
+        __m256 wt[GH];
+        for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
+        for (int u = 0; u < NV; u++) {
+            const __m256 x = lanes(v, dtype, c, slot, i0 + 8 * u);
+            for (int h = 0; h < GH; h++) acc[h][u] = _mm256_fmadd_ps(wt[h], x, acc[h][u]);
+        }
+    }
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < NV; u++)
+            _mm256_storeu_ps(out + h * c->d + i0 + 8 * u,
+                             _mm256_mul_ps(_mm256_add_ps(acc[h][u], _mm256_set1_ps(offset[h])), _mm256_set1_ps(factor)));
+}
+
+/* GH (1..4) query heads sharing one KV head over one chunk: scores, softmax partials, then the
+ * weighted values (TB keys, NV value vectors a pass, so the accumulators fit AVX2's 16
+ * registers). A one-group int8 row's scale and zero apply to whole dot products and weights:
+ * q . k = scale (q . codes) + zero sum(q), and sum_t p_t v_t = sum_t (p_t scale_t) codes_t +
+ * sum_t p_t zero_t, one vector pass over the chunk each instead of one multiply-add per lane. */
+static inline __attribute__((always_inline)) void attend_heads(const llama_layer *l, int dtype, const chunk_rows *c,
+                                                              const float *q, float *scores, float k_factor,
+                                                              float v_factor, float *part_max, float *part_sum,
+                                                              float *out, const int GH) {
+    const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2;
+    int t = 0;
+    for (; t + TB <= c->len; t += TB) key_dots(&l->k, dtype, c, q, t, scores, GH, TB);
+    for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, t, scores, GH, 1);
+    float offset[GH];
+    for (int h = 0; h < GH; h++) { /* scale the dot products, then each head's softmax partials, exp'd in place */
+        float *sh = scores + h * CHUNK;
+        const __m256 kf = _mm256_set1_ps(k_factor);
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        if (dtype == CACHE_INT8) {
+            float qsum = 0.0f;
+            for (int i = 0; i < c->d; i++) qsum += q[h * c->d + i];
+            const __m256 qs = _mm256_set1_ps(qsum);
+            for (t = 0; t < c->len; t += 8) /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
+                _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_fmadd_ps(_mm256_loadu_ps(sh + t),
+                                                                       _mm256_loadu_ps(c->k_scale + t),
+                                                                       _mm256_mul_ps(_mm256_loadu_ps(c->k_zero + t), qs)),
+                                                       kf));
+        } else {
+            for (t = 0; t < c->len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
+        }
+        for (t = 0; t + 8 <= c->len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
+        float top = hmax(top8), total;
+        for (; t < c->len; t++) top = fmaxf(top, sh[t]);
+        __m256 sum = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= c->len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sh + t, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        total = hsum(sum);
+        for (; t < c->len; t++) total += sh[t] = expf(sh[t] - top);
+        part_max[h] = top, part_sum[h] = total;
+        offset[h] = 0.0f;
+        if (dtype == CACHE_INT8) { /* the weights' share of the zeros, then the scales folded into them */
+            for (t = c->len; t % 8; t++) sh[t] = 0.0f; /* pad the last vector */
+            __m256 share = _mm256_setzero_ps();
+            for (t = 0; t < c->len; t += 8) {
+                const __m256 w = _mm256_loadu_ps(sh + t);
+                share = _mm256_fmadd_ps(w, _mm256_loadu_ps(c->v_zero + t), share);
+                _mm256_storeu_ps(sh + t, _mm256_mul_ps(w, _mm256_loadu_ps(c->v_scale + t)));
+            }
+            offset[h] = hsum(share);
+        }
+    }
+    int i = 0;
+    for (; i + 8 * NV <= c->d; i += 8 * NV) value_sums(&l->v, dtype, c, scores, i, offset, v_factor, out, GH, NV);
+    for (; i < c->d; i += 8) value_sums(&l->v, dtype, c, scores, i, offset, v_factor, out, GH, 1);
+}
+
 /* Attention is split into units of (row, KV head, chunk of CHUNK tokens), so two threads stay
- * busy however few rows or KV heads there are, and each unit reads its keys and values once
- * for all the query heads sharing them. A unit leaves, per query head, the chunk's softmax
- * partials: its largest score, the sum of exp(score - largest) and the exp-weighted sum of
- * values; `combine_heads` merges the chunks, as flash-decoding does. A chunk walks the row's
- * block table in runs of consecutive slots, so chunks need not align with blocks.
- * Inlined once per cache format (attend_unit), so the loops carry no format test. */
+ * busy however few rows or KV heads there are. A unit leaves, per query head of its group, the
+ * chunk's softmax partials: its largest score, the sum of exp(score - largest) and the
+ * exp-weighted sum of values; `combine_heads` merges the chunks, as flash-decoding does. The
+ * chunk's rows are looked up in the row's block table once (chunks need not align with
+ * blocks); the query heads then go over them in packs of up to four, so each key and value
+ * is read and widened (dequantised, for fp8 and int8) once per pack, not once per head: that
+ * widening costs more than fp16's, and paid per head it ate the narrow formats' saving in
+ * bytes. Inlined once per cache format (attend_unit), so the loops carry no format test. */
 static inline __attribute__((always_inline)) void attend_chunk(const llama_model *m, const llama_layer *l,
                                                               const paged_view *v, int unit, const float *qkv,
                                                               int width, scratch *s, const int dtype) {
     const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
     const int r = s->unit_row[unit], pos = v->positions[r], chunks = chunks_at(pos);
-    const int local = unit - s->unit_first[r], kvh = local / chunks, c = local % chunks;
-    const int start = c * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1, len = end - start;
+    const int local = unit - s->unit_first[r], kvh = local / chunks, ch = local % chunks;
+    const int start = ch * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1;
     const int32_t *table = v->block_tables + (size_t)r * v->max_blocks;
-    const int gsize = dtype == CACHE_INT8 ? (m->group_size < d ? m->group_size : d) : d;
-    const int groups = (d + gsize - 1) / gsize;
-    const float scale = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d);
+    chunk_rows c;
+    c.len = end - start, c.d = d;
+    c.gsize = dtype == CACHE_INT8_GROUPS ? m->group_size : d;
+    c.groups = (d + c.gsize - 1) / c.gsize;
+    for (int t = start; t < end; t++) c.slots[t - start] = ((size_t)table[t / bs] * hkv + kvh) * bs + t % bs;
+    if (dtype == CACHE_INT8) { /* one group per row: slot-indexed scale and zero, 8 at a time within a block */
+        const uint16_t *from[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
+        float *to[4] = {c.k_scale, c.k_zero, c.v_scale, c.v_zero};
+        for (int t = 0; t < c.len;) {
+            if (consecutive(c.slots + t, c.len - t)) {
+                for (int f = 0; f < 4; f++)
+                    _mm256_storeu_ps(to[f] + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from[f] + c.slots[t]))));
+                t += 8;
+            } else {
+                for (int f = 0; f < 4; f++) to[f][t] = half_at(from[f], c.slots[t]);
+                t++;
+            }
+        }
+        for (int t = c.len; t % 8; t++) c.k_scale[t] = c.k_zero[t] = c.v_scale[t] = c.v_zero[t] = 0.0f;
+    }
+    const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
-    float *scores = s->scores + (size_t)unit * group * CHUNK;
-    __m256 gs = _mm256_set1_ps(1.0f), gz = _mm256_setzero_ps();
-    for (int t = start; t < end;) {
-        const int off = t % bs, run = end - t < bs - off ? end - t : bs - off;
-        const size_t first = ((size_t)table[t / bs] * hkv + kvh) * bs + off;
-        for (size_t slot = first; slot < first + run; slot++, t++) {
-            __m256 acc[MAX_GROUP];
-            for (int j = 0; j < group; j++) acc[j] = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) {
-                if (dtype == CACHE_INT8 && i % gsize == 0) { /* entering a group: its scale and zero */
-                    gs = _mm256_set1_ps(f16_to_f32(l->k.scale[slot * groups + i / gsize]));
-                    gz = _mm256_set1_ps(f16_to_f32(l->k.zero[slot * groups + i / gsize]));
-                }
-                const __m256 k = load8(&l->k, dtype, slot, i, d, gs, gz);
-                for (int j = 0; j < group; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i), k, acc[j]);
-            }
-            for (int j = 0; j < group; j++) scores[j * CHUNK + (t - start)] = hsum(acc[j]) * scale;
+    for (int h = 0; h < group;) {
+        const int pack = group - h < 4 ? group - h : 4;
+        const size_t at = (size_t)unit * group + h;
+        float *scores = s->scores + at * CHUNK, *out = s->part_out + at * d;
+        const float *qh = q + (size_t)h * d;
+        switch (pack) {
+        case 1: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 1); break;
+        case 2: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 2); break;
+        case 3: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 3); break;
+        default: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 4);
         }
+        h += pack;
     }
-    for (int j = 0; j < group; j++) {
-        float *sj = scores + j * CHUNK, top = -INFINITY, total = 0.0f;
-        for (int t = 0; t < len; t++) top = fmaxf(top, sj[t]);
-        __m256 sum = _mm256_setzero_ps();
-        int t = 0;
-        for (; t + 8 <= len; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(sj + t, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        total = hsum(sum);
-        for (; t < len; t++) total += sj[t] = expf(sj[t] - top);
-        const size_t at = (size_t)unit * group + j;
-        s->part_max[at] = top, s->part_sum[at] = total;
-    }
-    float *out = s->part_out + (size_t)unit * group * d;
-    for (int i = 0; i < group * d; i++) out[i] = 0.0f;
-    for (int t = start; t < end;) {
-        const int off = t % bs, run = end - t < bs - off ? end - t : bs - off;
-        const size_t first = ((size_t)table[t / bs] * hkv + kvh) * bs + off;
-        for (size_t slot = first; slot < first + run; slot++, t++) {
-            for (int i = 0; i < d; i += 8) {
-                if (dtype == CACHE_INT8 && i % gsize == 0) {
-                    gs = _mm256_set1_ps(f16_to_f32(l->v.scale[slot * groups + i / gsize]));
-                    gz = _mm256_set1_ps(f16_to_f32(l->v.zero[slot * groups + i / gsize]));
-                }
-                const __m256 val = load8(&l->v, dtype, slot, i, d, gs, gz);
-                for (int j = 0; j < group; j++)
-                    _mm256_storeu_ps(out + j * d + i, _mm256_fmadd_ps(_mm256_set1_ps(scores[j * CHUNK + (t - start)]),
-                                                                      val, _mm256_loadu_ps(out + j * d + i)));
-            }
-        }
-    }
-    const float v_factor = fp8_factor(&l->v, dtype, kvh); /* fp8 values' scale, once per chunk */
-    if (v_factor != 1.0f)
-        for (int i = 0; i < group * d; i++) out[i] *= v_factor;
 }
 
 static void attend_unit(const llama_model *m, const llama_layer *l, const paged_view *v, int unit, const float *qkv,
@@ -176,7 +305,11 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
     case CACHE_BF16: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_BF16); break;
     case CACHE_FP8_E4M3: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E4M3); break;
     case CACHE_FP8_E5M2: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E5M2); break;
-    default: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8); break;
+    default:
+        if (m->group_size < m->head_dim)
+            attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8_GROUPS);
+        else
+            attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8);
     }
 }
 
