@@ -16,9 +16,10 @@ matrices. Prompts (PREFILL_ROWS rows or more) dequantise each matrix in C and us
 float GEMM. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
-loaded with ctypes (no torch headers, so it builds in about a second). Where the machine
-cannot have them (no compiler, no AVX2), `kernels()` is None and loaders fall back to other
-layers; a compiler that fails raises KernelBuildError instead, so a broken build is never
+loaded with ctypes (no torch headers; about ten seconds, once per source version, most of it
+the decode step's attention kernels specialised per cache format and query-head pack). Where
+the machine cannot have them (no compiler, no AVX2), `kernels()` is None and loaders fall
+back to other layers; a compiler that fails raises KernelBuildError instead, so a broken build is never
 mistaken for a machine without AVX2.
 """
 

@@ -356,7 +356,9 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
         }
     }
     const int units = s->unit_first[rows];
-#pragma omp for schedule(static, 1)
+    /* dynamic: units differ in length (each row's last chunk is partly filled), and a thread
+     * the OS has descheduled on a shared machine should not hold back a fixed share of them */
+#pragma omp for schedule(dynamic, 1)
     for (int unit = 0; unit < units; unit++) attend_unit(m, l, v, unit, s->qkv, width, s);
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
