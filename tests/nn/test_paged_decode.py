@@ -13,7 +13,7 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
 from kvlab.cache.step import StepBatch
-from kvlab.nn.c_abi import MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
+from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
@@ -273,8 +273,7 @@ def test_a_drifted_mirror_is_named():
     assert any("kv_plane.fp8_scale is in C but missing" in p for p in problems)
     assert any("offsetof(llama_model, n_layers)" in p for p in problems)
     assert any("constant CHUNK is 128 in C, 64 in Python" in p
-               for p in abi_mismatches(table, constants={**__import__("kvlab.nn.c_abi").nn.c_abi.CONSTANTS,
-                                                          "CHUNK": 64}))
+               for p in abi_mismatches(table, constants={**CONSTANTS, "CHUNK": 64}))
     assert any("no Python mirror" in p for p in abi_mismatches(table, {k: v for k, v in MIRRORS.items()
                                                                        if k != "qstack"}))
 

@@ -104,13 +104,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* An int8 cache with several groups per row is read through this pseudo-format: its lanes are
- * dequantised on load. With one group per row (group_size >= head_dim, the default) scale and
- * zero apply to whole dot products and weights instead (CACHE_INT8). */
-enum { CACHE_INT8_GROUPS = CACHE_INT8 + 1 };
-
-/* What one attention unit reads, resolved once: the chunk's cache rows and, for a one-group
- * int8 cache, each row's scale and zero widened to fp32 (used by every head of the unit). */
+/* What one attention unit reads, resolved once: the chunk's cache rows and, for int8, one
+ * group's scale and zero per row widened to fp32 (refilled per group, used by every head). */
 typedef struct {
     size_t slots[CHUNK]; /* row (block, head, offset) of each of the chunk's tokens */
     float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
@@ -128,28 +123,38 @@ static inline int consecutive(const size_t *slots, int n) {
     return 1;
 }
 
-/* Lanes i .. i + 7 of row `slot` as load8 gives them, dequantised for CACHE_INT8_GROUPS. */
-static inline __attribute__((always_inline)) __m256 lanes(const kv_plane *p, int dtype, const chunk_rows *c,
-                                                         size_t slot, int i) {
-    if (dtype != CACHE_INT8_GROUPS) return load8(p, dtype, slot, i, c->d);
-    const size_t at = slot * c->groups + i / c->gsize;
-    return _mm256_fmadd_ps(load8(p, CACHE_INT8, slot, i, c->d), _mm256_set1_ps(half_at(p->scale, at)),
-                           _mm256_set1_ps(half_at(p->zero, at)));
+/* Group g's int8 scale and zero of every row of the chunk into c (K's and V's), zero-padded
+ * to a multiple of 8 rows; with one group per row, runs of 8 rows in a block convert at once. */
+static void load_group(const llama_layer *l, chunk_rows *c, int g) {
+    const uint16_t *from[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
+    float *to[4] = {c->k_scale, c->k_zero, c->v_scale, c->v_zero};
+    for (int t = 0; t < c->len;) {
+        if (c->groups == 1 && consecutive(c->slots + t, c->len - t)) {
+            for (int f = 0; f < 4; f++)
+                _mm256_storeu_ps(to[f] + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from[f] + c->slots[t]))));
+            t += 8;
+        } else {
+            for (int f = 0; f < 4; f++) to[f][t] = half_at(from[f], c->slots[t] * c->groups + g);
+            t++;
+        }
+    }
+    for (int t = c->len; t % 8; t++) c->k_scale[t] = c->k_zero[t] = c->v_scale[t] = c->v_zero[t] = 0.0f;
 }
 
-/* dots[h][t] = q_h . k_t (raw lanes) for GH query heads (q, stride d) and TB keys from t0 on:
- * each key's lanes are loaded and widened once for all GH heads, each query load serves TB
- * keys, the GH x TB accumulators stay in registers and are summed four at a time. */
+/* dots[h][t] = q_h . k_t over channels lo .. hi - 1 (raw lanes) for GH query heads (q, stride d)
+ * and TB keys from t0 on: each key's lanes are loaded and widened once for all GH heads, each
+ * query load serves TB keys, the GH x TB accumulators stay in registers and are summed four
+ * at a time. */
 static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, int dtype, const chunk_rows *c,
-                                                          const float *q, int t0, float *dots, const int GH,
-                                                          const int TB) {
+                                                          const float *q, int lo, int hi, int t0, float *dots,
+                                                          const int GH, const int TB) {
     __m256 acc[GH * TB];
     for (int a = 0; a < GH * TB; a++) acc[a] = _mm256_setzero_ps();
-    for (int i = 0; i < c->d; i += 8) {
+    for (int i = lo; i < hi; i += 8) {
         for (int u = 0; u < TB; u++) {
-            const __m256 x = lanes(k, dtype, c, c->slots[t0 + u], i);
-            for (int h = 0; h < GH; h++) acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x,
-                                                                         acc[h * TB + u]);
+            const __m256 x = load8(k, dtype, c->slots[t0 + u], i, c->d);
+            for (int h = 0; h < GH; h++)
+                acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x, acc[h * TB + u]);
         }
     }
     float sums[GH * TB + 3];
@@ -160,9 +165,9 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
         for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
 }
 
-/* out[h][i0 .. i0 + 8 NV) = sum_t w[h][t] v_t (raw lanes) over the chunk for GH query heads
- * (w stride CHUNK, out stride d): each value's lanes are widened once for all GH heads, the
- * GH x NV accumulators stay in registers across the chunk. */
+/* out[h][i0 .. i0 + 8 NV) = (sum_t w[h][t] v_t (raw lanes) + offset[h]) factor over the chunk
+ * for GH query heads (w stride CHUNK, out stride d): each value's lanes are widened once for
+ * all GH heads, the GH x NV accumulators stay in registers across the chunk. */
 static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, int dtype, const chunk_rows *c,
                                                             const float *w, int i0, const float *offset,
                                                             float factor, float *out, const int GH, const int NV) {
@@ -174,46 +179,55 @@ static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, 
         __m256 wt[GH];
         for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
         for (int u = 0; u < NV; u++) {
-            const __m256 x = lanes(v, dtype, c, slot, i0 + 8 * u);
+            const __m256 x = load8(v, dtype, slot, i0 + 8 * u, c->d);
             for (int h = 0; h < GH; h++) acc[h][u] = _mm256_fmadd_ps(wt[h], x, acc[h][u]);
         }
     }
     for (int h = 0; h < GH; h++)
         for (int u = 0; u < NV; u++)
             _mm256_storeu_ps(out + h * c->d + i0 + 8 * u,
-                             _mm256_mul_ps(_mm256_add_ps(acc[h][u], _mm256_set1_ps(offset[h])), _mm256_set1_ps(factor)));
+                             _mm256_mul_ps(_mm256_add_ps(acc[h][u], _mm256_set1_ps(offset[h])),
+                                           _mm256_set1_ps(factor)));
 }
 
 /* GH (1..4) query heads sharing one KV head over one chunk: scores, softmax partials, then the
  * weighted values (TB keys, NV value vectors a pass, so the accumulators fit AVX2's 16
- * registers). A one-group int8 row's scale and zero apply to whole dot products and weights:
- * q . k = scale (q . codes) + zero sum(q), and sum_t p_t v_t = sum_t (p_t scale_t) codes_t +
- * sum_t p_t zero_t, one vector pass over the chunk each instead of one multiply-add per lane. */
-static inline __attribute__((always_inline)) void attend_heads(const llama_layer *l, int dtype, const chunk_rows *c,
+ * registers). int8's scale and zero apply per group of channels to whole dot products and
+ * weights, never per lane: q . k = sum_g scale_g (q_g . codes_g) + zero_g sum(q_g), and
+ * sum_t p_t v_t = sum_t (p_t scale_t) codes_t + sum_t p_t zero_t, within each group. */
+static inline __attribute__((always_inline)) void attend_heads(const llama_layer *l, int dtype, chunk_rows *c,
                                                               const float *q, float *scores, float k_factor,
                                                               float v_factor, float *part_max, float *part_sum,
                                                               float *out, const int GH) {
-    const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2;
-    int t = 0;
-    for (; t + TB <= c->len; t += TB) key_dots(&l->k, dtype, c, q, t, scores, GH, TB);
-    for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, t, scores, GH, 1);
-    float offset[GH];
-    for (int h = 0; h < GH; h++) { /* scale the dot products, then each head's softmax partials, exp'd in place */
-        float *sh = scores + h * CHUNK;
-        const __m256 kf = _mm256_set1_ps(k_factor);
-        __m256 top8 = _mm256_set1_ps(-INFINITY);
-        if (dtype == CACHE_INT8) {
+    const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2, d = c->d;
+    const int groups = dtype == CACHE_INT8 ? c->groups : 1, gsize = dtype == CACHE_INT8 ? c->gsize : d;
+    float part[dtype == CACHE_INT8 ? GH * CHUNK : 1]; /* int8: one group's dot products, or its weights */
+    int t;
+    for (int g = 0; g < groups; g++) {
+        const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
+        float *dots = dtype == CACHE_INT8 ? part : scores;
+        for (t = 0; t + TB <= c->len; t += TB) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+        for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+        if (dtype != CACHE_INT8) break;
+        load_group(l, c, g);
+        for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
-            for (int i = 0; i < c->d; i++) qsum += q[h * c->d + i];
+            for (int i = lo; i < hi; i++) qsum += q[h * d + i];
             const __m256 qs = _mm256_set1_ps(qsum);
-            for (t = 0; t < c->len; t += 8) /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
-                _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_fmadd_ps(_mm256_loadu_ps(sh + t),
-                                                                       _mm256_loadu_ps(c->k_scale + t),
-                                                                       _mm256_mul_ps(_mm256_loadu_ps(c->k_zero + t), qs)),
-                                                       kf));
-        } else {
-            for (t = 0; t < c->len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
+            float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
+            for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
+                __m256 dot = _mm256_fmadd_ps(_mm256_loadu_ps(ph + t), _mm256_loadu_ps(c->k_scale + t),
+                                             _mm256_mul_ps(_mm256_loadu_ps(c->k_zero + t), qs));
+                if (g) dot = _mm256_add_ps(dot, _mm256_loadu_ps(sh + t));
+                _mm256_storeu_ps(sh + t, dot);
+            }
         }
+    }
+    const __m256 kf = _mm256_set1_ps(k_factor);
+    for (int h = 0; h < GH; h++) { /* each head's softmax partials, exp'd in place */
+        float *sh = scores + h * CHUNK;
+        for (t = 0; t < c->len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
         for (t = 0; t + 8 <= c->len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
         float top = hmax(top8), total;
         for (; t < c->len; t++) top = fmaxf(top, sh[t]);
@@ -225,22 +239,31 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
         }
         total = hsum(sum);
         for (; t < c->len; t++) total += sh[t] = expf(sh[t] - top);
+        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the int8 passes below */
         part_max[h] = top, part_sum[h] = total;
-        offset[h] = 0.0f;
-        if (dtype == CACHE_INT8) { /* the weights' share of the zeros, then the scales folded into them */
-            for (t = c->len; t % 8; t++) sh[t] = 0.0f; /* pad the last vector */
-            __m256 share = _mm256_setzero_ps();
-            for (t = 0; t < c->len; t += 8) {
-                const __m256 w = _mm256_loadu_ps(sh + t);
-                share = _mm256_fmadd_ps(w, _mm256_loadu_ps(c->v_zero + t), share);
-                _mm256_storeu_ps(sh + t, _mm256_mul_ps(w, _mm256_loadu_ps(c->v_scale + t)));
-            }
-            offset[h] = hsum(share);
-        }
     }
-    int i = 0;
-    for (; i + 8 * NV <= c->d; i += 8 * NV) value_sums(&l->v, dtype, c, scores, i, offset, v_factor, out, GH, NV);
-    for (; i < c->d; i += 8) value_sums(&l->v, dtype, c, scores, i, offset, v_factor, out, GH, 1);
+    float offset[GH];
+    for (int g = 0; g < groups; g++) {
+        const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
+        const float *w = scores;
+        for (int h = 0; h < GH; h++) offset[h] = 0.0f;
+        if (dtype == CACHE_INT8) { /* the weights' share of the zeros, then the scales folded into the weights */
+            if (groups > 1) load_group(l, c, g); /* one group: still loaded from the key pass */
+            for (int h = 0; h < GH; h++) {
+                __m256 share = _mm256_setzero_ps();
+                for (t = 0; t < c->len; t += 8) {
+                    const __m256 p = _mm256_loadu_ps(scores + h * CHUNK + t);
+                    share = _mm256_fmadd_ps(p, _mm256_loadu_ps(c->v_zero + t), share);
+                    _mm256_storeu_ps(part + h * CHUNK + t, _mm256_mul_ps(p, _mm256_loadu_ps(c->v_scale + t)));
+                }
+                offset[h] = hsum(share);
+            }
+            w = part;
+        }
+        int i = lo;
+        for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, NV);
+        for (; i < hi; i += 8) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, 1);
+    }
 }
 
 /* Attention is split into units of (row, KV head, chunk of CHUNK tokens), so two threads stay
@@ -262,24 +285,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     const int32_t *table = v->block_tables + (size_t)r * v->max_blocks;
     chunk_rows c;
     c.len = end - start, c.d = d;
-    c.gsize = dtype == CACHE_INT8_GROUPS ? m->group_size : d;
+    c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
     c.groups = (d + c.gsize - 1) / c.gsize;
     for (int t = start; t < end; t++) c.slots[t - start] = ((size_t)table[t / bs] * hkv + kvh) * bs + t % bs;
-    if (dtype == CACHE_INT8) { /* one group per row: slot-indexed scale and zero, 8 at a time within a block */
-        const uint16_t *from[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
-        float *to[4] = {c.k_scale, c.k_zero, c.v_scale, c.v_zero};
-        for (int t = 0; t < c.len;) {
-            if (consecutive(c.slots + t, c.len - t)) {
-                for (int f = 0; f < 4; f++)
-                    _mm256_storeu_ps(to[f] + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from[f] + c.slots[t]))));
-                t += 8;
-            } else {
-                for (int f = 0; f < 4; f++) to[f][t] = half_at(from[f], c.slots[t]);
-                t++;
-            }
-        }
-        for (int t = c.len; t % 8; t++) c.k_scale[t] = c.k_zero[t] = c.v_scale[t] = c.v_zero[t] = 0.0f;
-    }
     const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
     for (int h = 0; h < group;) {
@@ -287,11 +295,12 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         const size_t at = (size_t)unit * group + h;
         float *scores = s->scores + at * CHUNK, *out = s->part_out + at * d;
         const float *qh = q + (size_t)h * d;
+        float *top = s->part_max + at, *sum = s->part_sum + at;
         switch (pack) {
-        case 1: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 1); break;
-        case 2: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 2); break;
-        case 3: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 3); break;
-        default: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, s->part_max + at, s->part_sum + at, out, 4);
+        case 1: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 1); break;
+        case 2: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 2); break;
+        case 3: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 3); break;
+        default: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 4);
         }
         h += pack;
     }
@@ -305,11 +314,7 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
     case CACHE_BF16: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_BF16); break;
     case CACHE_FP8_E4M3: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E4M3); break;
     case CACHE_FP8_E5M2: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E5M2); break;
-    default:
-        if (m->group_size < m->head_dim)
-            attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8_GROUPS);
-        else
-            attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8);
+    default: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8); break;
     }
 }
 
