@@ -1,6 +1,6 @@
 """Decode steps over the engine's paged pool: the C step (kvlab.nn.paged_decode) against the module path.
 
-    python -m kvlab.bench.paged_decode_speed [--repeats 15] [--rows 16] [--context 4096]
+    python -m kvlab.bench.paged_decode_speed [--repeats 15] [--rows 16] [--context 4096] [--threads N]
 
 Two measurements on SmolLM2-135M (Q4_1 GGUF blocks, fp32 activations), each a ratio within
 one run, the contenders taking turns so that load from other processes falls on all alike:
@@ -70,7 +70,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m", torch.float32, "gguf").model
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start")
 
