@@ -8,46 +8,30 @@ step is then one call. It computes what `Decoder.forward` computes with GGMLLine
 (same int16 activations, same fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
 kvlab.cache ContiguousCache the model would have used (fp32, fp16 or bf16 rows), and advances
 its length, so the module path can take over at any step. `fused_step_for` says why not when it cannot apply.
+
+The C side is the paged step (kvlab.nn.paged_decode) with one block of `capacity` tokens per
+row; batch size and capacity are call arguments, and scratch memory is an arena kept by the
+step object between calls.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from kvlab.cache.contiguous import ContiguousCache
+from kvlab.nn.c_abi import CACHE_DTYPES as C_CACHE_DTYPES, MAX_GROUP, KVPlane, LlamaLayer, LlamaModel, QMatrix, \
+    QStack
 from kvlab.nn.ggml import GGMLLinear, GGMLStack, kernels
 from kvlab.nn.model import Decoder
 from kvlab.nn.rope import INTERLEAVED
 
-_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # llama_decode.c's CACHE_*
-MAX_GROUP = 16  # llama_decode.c's MAX_GROUP
-
-# These mirror the structs of csrc/ggml_gemv.h and csrc/llama_decode.c field for field.
-
-class QMatrix(ctypes.Structure):
-    _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
-
-
-class QStack(ctypes.Structure):
-    _fields_ = [("part", QMatrix * 3), ("parts", _int)]
-
-
-class LlamaLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QStack), ("o", QMatrix),
-                ("gate_up", QStack), ("down", QMatrix), ("k_cache", _ptr), ("v_cache", _ptr)]
-
-
-class LlamaModel(ctypes.Structure):
-    _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
-                ("hidden", _int), ("vocab", _int), ("batch", _int), ("capacity", _int),
-                ("rope_interleaved", _int), ("cache_dtype", _int), ("eps", _float), ("rope_cos", _ptr),
-                ("rope_sin", _ptr),
-                ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr), ("lm_head", QMatrix)]
+# The ctypes mirrors live in kvlab.nn.c_abi, checked against the library's own table at load.
+CACHE_DTYPES = {dtype: C_CACHE_DTYPES[dtype] for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 def _qmatrix(layer: GGMLLinear) -> QMatrix:
@@ -60,8 +44,36 @@ def _qstack(layer: nn.Module) -> QStack:
     return QStack((QMatrix * 3)(*map(_qmatrix, parts)), len(parts))
 
 
-def why_not_fused(model: Decoder, cache) -> Optional[str]:
-    """None when `FusedDecodeStep` can run `model` on `cache`, else the reason it cannot."""
+def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dtype: int,
+                 group_size: int = 0) -> tuple[LlamaModel, ctypes.Array]:
+    """The C model for `model` (why_not_model is None) whose layer i keeps K/V in sides[i].
+
+    Returns the struct and its layer array, which must outlive every call that uses the struct.
+    """
+    config = model.config
+    layers = (LlamaLayer * len(model.blocks))(*(
+        LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), _qstack(block.attn.qkv),
+                   _qmatrix(block.attn.o), _qstack(block.mlp.gate_up), _qmatrix(block.mlp.down), k, v)
+        for block, (k, v) in zip(model.blocks, sides)))
+    rope = model.rope
+    struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
+                        config.ffn_size, config.vocab_size, rope.max_seq_len, int(rope.style == INTERLEAVED),
+                        cache_dtype, group_size, config.norm_eps, rope.cos.data_ptr(), rope.sin.data_ptr(), layers,
+                        model.norm.weight.data_ptr(), _qmatrix(model.lm_head))
+    return struct, layers
+
+
+def new_arena() -> int:
+    """A C scratch arena (csrc/llama_decode.h), freed with the object that holds it: callers do
+    `self._arena = new_arena()` and `weakref.finalize(self, kernels().kvlab_arena_free, self._arena)`."""
+    arena = kernels().kvlab_arena_new()
+    if not arena:
+        raise MemoryError("could not allocate the decode step's scratch arena")
+    return arena
+
+
+def why_not_model(model: Decoder) -> Optional[str]:
+    """None when the C decode steps can run `model` (whatever its cache), else the reason they cannot."""
     config = model.config
     if kernels() is None:
         return "the GGML kernels are unavailable on this machine"
@@ -84,6 +96,15 @@ def why_not_fused(model: Decoder, cache) -> Optional[str]:
         return "the matrices' shapes do not match the config"
     if config.head_size % 8 or config.n_heads // config.kv_heads > MAX_GROUP:
         return f"the head dim must be a multiple of 8, with at most {MAX_GROUP} query heads per KV head"
+    return None
+
+
+def why_not_fused(model: Decoder, cache) -> Optional[str]:
+    """None when `FusedDecodeStep` can run `model` on `cache`, else the reason it cannot."""
+    reason = why_not_model(model)
+    if reason is not None:
+        return reason
+    config = model.config
     buffers = cache.float_buffers(0) if isinstance(cache, ContiguousCache) and not cache.pre_rope else None
     if buffers is None or buffers[0].dtype not in CACHE_DTYPES or buffers[0].dtype != buffers[1].dtype \
             or buffers[0].device.type != "cpu":
@@ -107,20 +128,11 @@ class FusedDecodeStep:
         reason = why_not_fused(model, cache)
         if reason is not None:
             raise ValueError(f"cannot fuse the decode step: {reason}")
-        config, self.model, self.cache = model.config, model, cache
-        layers = []
-        for index, block in enumerate(model.blocks):
-            k, v = cache.float_buffers(index)
-            layers.append(LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
-                                     _qstack(block.attn.qkv), _qmatrix(block.attn.o), _qstack(block.mlp.gate_up),
-                                     _qmatrix(block.mlp.down), k.data_ptr(), v.data_ptr()))
-        self._layers = (LlamaLayer * len(layers))(*layers)
-        rope = model.rope
-        self._struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
-                                  config.ffn_size, config.vocab_size, cache.shape.batch, cache.shape.max_tokens,
-                                  int(rope.style == INTERLEAVED), CACHE_DTYPES[cache.float_buffers(0)[0].dtype],
-                                  config.norm_eps, rope.cos.data_ptr(), rope.sin.data_ptr(), self._layers,
-                                  model.norm.weight.data_ptr(), _qmatrix(model.lm_head))
+        self.model, self.cache = model, cache
+        sides = [tuple(KVPlane(t.data_ptr()) for t in cache.float_buffers(i)) for i in range(len(model.blocks))]
+        self._struct, self._layers = llama_struct(model, sides, CACHE_DTYPES[cache.float_buffers(0)[0].dtype])
+        self._arena = new_arena()
+        weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -129,7 +141,9 @@ class FusedDecodeStep:
             raise ValueError(f"position {position} is beyond the model's {self.model.rope.max_seq_len}-token context")
         x = self.model.embed(ids.reshape(self.cache.shape.batch)).float().contiguous()
         logits = torch.empty(self.cache.shape.batch, self.model.config.vocab_size)
-        status = kernels().llama_decode_step(ctypes.byref(self._struct), position, x.data_ptr(), logits.data_ptr())
+        status = kernels().llama_decode_step(ctypes.byref(self._struct), self.cache.shape.batch,
+                                             self.cache.shape.max_tokens, position, x.data_ptr(), logits.data_ptr(),
+                                             self._arena)
         if status == -2:
             raise ValueError(f"position {position} is beyond the cache's {self.cache.shape.max_tokens} tokens")
         if status:

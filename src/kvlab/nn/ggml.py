@@ -16,9 +16,10 @@ matrices. Prompts (PREFILL_ROWS rows or more) dequantise each matrix in C and us
 float GEMM. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
-loaded with ctypes (no torch headers, so it builds in about a second). Where the machine
-cannot have them (no compiler, no AVX2), `kernels()` is None and loaders fall back to other
-layers; a compiler that fails raises KernelBuildError instead, so a broken build is never
+loaded with ctypes (no torch headers; about ten seconds, once per source version, most of it
+the decode step's attention kernels specialised per cache format and query-head pack). Where
+the machine cannot have them (no compiler, no AVX2), `kernels()` is None and loaders fall
+back to other layers; a compiler that fails raises KernelBuildError instead, so a broken build is never
 mistaken for a machine without AVX2.
 """
 
@@ -44,7 +45,8 @@ from torch.nn import functional as F
 QK = 32
 PREFILL_ROWS = 32  # from this many activation rows on, dequantising for a float GEMM is faster here
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "ggml_gemv.c", CSRC / "llama_decode.c")  # built into one library
+SOURCES = (CSRC / "ggml_gemv.c", CSRC / "llama_decode.c", CSRC / "abi.c")  # built into one library
+HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 
@@ -91,7 +93,7 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
         return None
     compiler = _compiler()
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, CSRC / "ggml_gemv.h")))
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
     digest.update(" ".join([compiler, *flags]).encode())  # a new compiler or flag builds anew
     library = CACHE_DIR / f"ggml_gemv-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
@@ -116,8 +118,20 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.ggml_dequantize.restype = None
     lib.exp_nonpositive.argtypes = [ptr, ptr, i32]
     lib.exp_nonpositive.restype = None
-    lib.llama_decode_step.argtypes = [ptr, i32, ptr, ptr]
+    lib.llama_decode_step.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr]
     lib.llama_decode_step.restype = i32
+    lib.llama_paged_decode_step.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, ptr, ptr, ptr]
+    lib.llama_paged_decode_step.restype = i32
+    lib.kvlab_arena_new.argtypes, lib.kvlab_arena_new.restype = [], ptr
+    lib.kvlab_arena_free.argtypes, lib.kvlab_arena_free.restype = [ptr], None
+    lib.kvlab_fp8_encode.argtypes, lib.kvlab_fp8_encode.restype = [i32, ptr, ptr, ctypes.c_size_t], None
+    lib.kvlab_int8_quantize.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr]
+    lib.kvlab_int8_quantize.restype = None
+    from kvlab.nn.c_abi import abi_mismatches, abi_table
+
+    problems = abi_mismatches(abi_table(lib))
+    if problems:  # a drifted ctypes mirror would pass shifted pointers to C: refuse the library
+        raise KernelBuildError(f"{library.name} does not match kvlab.nn.c_abi's mirrors: " + "; ".join(problems))
     return lib
 
 

@@ -1,14 +1,140 @@
-"""A decode step over the engine's paged pool in one C call (rows at their own positions).
+"""A decode step over the engine's paged pool in one C call, every row at its own position.
 
-`paged_step_for(model, pool, max_rows)` returns a callable (ids [S], StepBatch) -> logits [S, V]
-where the model and pool allow it, else None (the engine then runs module by module).
+A serving batch decodes sequences of different lengths, each with its own block table in
+kvlab.cache.KVPool. Driven module by module, such a step pays per layer for Python, the
+pool's gather of every sequence's blocks into a dense tensor and its dequantisation; the C
+step (csrc/llama_decode.c, `llama_paged_decode_step`) reads and writes the pool's per-layer
+tensors in place: row r writes its K/V at block_tables[r][pos // block_size], offset
+pos % block_size, and attends over its own blocks, all rows and layers in one call. fp8 and
+int8 pools are dequantised inside the attention loop, so at long context they read about
+half of fp16's bytes. What it writes is what `KVPool.write` writes (the same rounding, the
+same int8 codes), so the module path, which stays the reference, can run any later step.
+
+`paged_step_for(model, pool, max_rows)` returns a `PagedDecodeStep`, a callable
+(ids [S], StepBatch) -> logits [S, V] for steps where every sequence feeds one token, or
+None where `why_not_paged` names a reason (the engine then runs module by module).
 """
 
 from __future__ import annotations
 
+import ctypes
+import weakref
 from typing import Optional
 
+import torch
 
-def paged_step_for(model, pool, max_rows: int) -> Optional[object]:
-    """The fused paged decode step for `model` on `pool`, or None where it cannot run."""
+from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
+from kvlab.cache.pool import KVPool
+from kvlab.cache.step import StepBatch
+from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_INT8, KVPlane
+from kvlab.nn.fused_decode import llama_struct, new_arena, why_not_model
+from kvlab.nn.ggml import kernels
+from kvlab.nn.model import Decoder
+
+ERRORS = {-1: "could not allocate its scratch memory", -2: "was handed a position or block outside the model or pool",
+          -3: "cannot group these query heads", -4: "cannot run this cache format"}
+
+
+def _cache_code(codec: RowCodec, head_dim: int) -> Optional[int]:
+    """The C step's CACHE_* code for one side's codec, or None where C cannot run it."""
+    if type(codec) is FloatCodec and codec.dtype in CACHE_DTYPES:
+        return CACHE_DTYPES[codec.dtype]
+    if type(codec) is Fp8Codec and codec.dtype in CACHE_DTYPES:
+        return CACHE_DTYPES[codec.dtype]
+    if type(codec) is GroupCodec and codec.bits == 8 and (codec.group_size >= head_dim or codec.group_size % 8 == 0):
+        return CACHE_INT8
     return None
+
+
+def why_not_paged(model: Decoder, pool) -> Optional[str]:
+    """None when `PagedDecodeStep` can run `model` on `pool`, else the reason it cannot."""
+    reason = why_not_model(model)
+    if reason is not None:
+        return reason
+    config = model.config
+    if not isinstance(pool, KVPool) or pool.device.type != "cpu":
+        return "the cache must be a kvlab.cache.KVPool on the CPU"
+    if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
+            (config.n_layers, config.kv_heads, config.head_size, config.head_size):
+        return "the pool was not built for this model's layers, KV heads and head dim"
+    if pool.compute_dtype != torch.float32:
+        return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    codes = [_cache_code(codec, config.head_size) for codec in pool.codecs]
+    if codes[0] is None or codes[0] != codes[1] or type(pool.codecs[0]) is not type(pool.codecs[1]) \
+            or getattr(pool.codecs[0], "group_size", 0) != getattr(pool.codecs[1], "group_size", 0):
+        return (f"the C step runs fp32, fp16, bf16, fp8 and int8 pools (int8 groups of a multiple of 8 channels), "
+                f"one format for K and V, not {pool.kv_format.name}")
+    return None
+
+
+def _fp8_scales(codec: RowCodec, heads: int) -> Optional[torch.Tensor]:
+    """fp8's static scale per KV head as fp32 [heads] (a per-tensor scale repeated), else None."""
+    if type(codec) is not Fp8Codec:
+        return None
+    return torch.as_tensor(codec.scale, dtype=torch.float32).reshape(-1).expand(heads).contiguous()
+
+
+class PagedDecodeStep:
+    """`step(ids [S], batch)` -> logits [S, vocab] for a decode step (`batch.is_decode`) over `pool`.
+
+    Holds the addresses of the model's and the pool's tensors (the pool never moves them);
+    do not `.to()` the model while it is in use. Scratch memory is one C arena, grown on
+    demand and kept until the step is garbage-collected.
+    """
+
+    def __init__(self, model: Decoder, pool: KVPool, max_rows: int):
+        reason = why_not_paged(model, pool)
+        if reason is not None:
+            raise ValueError(f"cannot run the paged decode step in C: {reason}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be positive, got {max_rows}")
+        self.model, self.pool, self.max_rows = model, pool, max_rows
+        heads, codec = pool.kv_heads, pool.codecs[0]
+        self._keep = []  # fp8 scale tensors the structs point at
+        sides = []
+        for layer in range(pool.num_layers):
+            pair = []
+            for fields, side_codec in ((pool.k[layer], pool.codecs[0]), (pool.v[layer], pool.codecs[1])):
+                scales = _fp8_scales(side_codec, heads)
+                if scales is not None:
+                    self._keep.append(scales)
+                data = fields["codes"] if "codes" in fields else fields["x"]
+                pair.append(KVPlane(data.data_ptr(), _address(fields.get("scale")), _address(fields.get("zero")),
+                                    _address(scales)))
+            sides.append(tuple(pair))
+        group_size = codec.group_size if type(codec) is GroupCodec else 0
+        self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, model.config.head_size),
+                                                  group_size)
+        self._arena = new_arena()
+        weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        rows = batch.num_seqs
+        if not batch.is_decode or ids.numel() != rows:
+            raise ValueError(f"a paged decode step feeds one token per sequence: {ids.numel()} ids for "
+                             f"query lengths {batch.query_lens}")
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
+        if batch.block_size != self.pool.block_size:
+            raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
+        positions = batch.positions.to(torch.int32).contiguous()
+        widest = max(len(table) for table in batch.block_tables)
+        tables = torch.tensor([table + [0] * (widest - len(table)) for table in batch.block_tables], dtype=torch.int32)
+        x = self.model.embed(ids.reshape(rows)).float().contiguous()
+        logits = torch.empty(rows, self.model.config.vocab_size)
+        status = kernels().llama_paged_decode_step(ctypes.byref(self._struct), rows, positions.data_ptr(),
+                                                   tables.data_ptr(), widest, self.pool.block_size,
+                                                   self.pool.num_blocks, x.data_ptr(), logits.data_ptr(), self._arena)
+        if status:
+            raise (MemoryError if status == -1 else ValueError)(f"the paged decode step {ERRORS.get(status, status)}")
+        return logits
+
+
+def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    return tensor.data_ptr() if tensor is not None else None
+
+
+def paged_step_for(model: Decoder, pool, max_rows: int) -> Optional[PagedDecodeStep]:
+    """The C paged decode step for `model` on `pool`, or None where `why_not_paged` names a reason."""
+    return PagedDecodeStep(model, pool, max_rows) if why_not_paged(model, pool) is None else None

@@ -1,52 +1,46 @@
-/* One decode step of a Llama-family decoder whose matrices are planes of GGUF blocks (ggml_gemv.h).
+/* One decode step of a Llama-family decoder whose matrices are planes of GGUF blocks (ggml_gemv.h),
+ * for rows that each sit at their own position in a paged KV cache.
  *
  * At batch 1 a step is ~120 small matrix-vector products; driven from Python each one pays
  * for module calls, tensor allocations and a thread fork, which on a small model costs more
  * than the arithmetic. Here the whole step (norms, projections, RoPE, the cache write,
- * attention, SwiGLU, the LM head) runs inside one OpenMP parallel region: the threads split
- * each product's output rows and meet at a barrier, as llama.cpp's graph executor does.
+ * attention, SwiGLU, the LM head) for every row and layer runs inside one OpenMP parallel
+ * region: the threads split each product's output rows and meet at a barrier, as
+ * llama.cpp's graph executor does.
  *
  * The arithmetic is the module path's (kvlab.nn.model.Decoder with GGMLLinear layers):
  * activations are quantised to int16 per 32 values before each product, norms, RoPE,
- * softmax and SwiGLU run in fp32. K/V are written into the caller's cache buffers
- * [batch, kv_heads, capacity, head_dim] of fp32, fp16 or bf16 (rounded to nearest even, as
- * torch's .to() rounds), so the cache stays kvlab.cache's and the Python path can carry on
- * from any step.
+ * softmax and SwiGLU run in fp32. K/V live where the caller's cache keeps them: per layer a
+ * tensor [blocks, kv_heads, block_size, head_dim] (kvlab.cache.KVPool's layout), row r's
+ * token at position p in block block_tables[r][p / block_size], offset p % block_size. A
+ * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
+ * `capacity` tokens per row (llama_decode_step). Stores and loads of each cache format are
+ * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
+ * half of fp16's bytes.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ggml_gemv.h"
+#include "kv_codecs.h"
 
+/* Where this step's rows are: positions [rows], block_tables [rows, max_blocks]. */
 typedef struct {
-    const float *attn_norm, *mlp_norm; /* [dim] */
-    qstack qkv;                        /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
-    qmatrix o;                         /* [dim, n_heads head_dim] */
-    qstack gate_up;                    /* [2 hidden, dim]: gate rows, then up rows */
-    qmatrix down;                      /* [dim, hidden] */
-    void *k_cache, *v_cache;           /* [batch, n_kv_heads, capacity, head_dim] of cache_dtype */
-} llama_layer;
+    int rows, max_blocks, block_size;
+    const int32_t *positions, *block_tables;
+} paged_view;
 
-enum { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_BF16 = 2 };
-
-typedef struct {
-    int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab, batch, capacity;
-    int rope_interleaved; /* 0: channel i pairs with i + head_dim/2; 1: 2i pairs with 2i + 1 */
-    int cache_dtype;      /* CACHE_F32, CACHE_F16 or CACHE_BF16; head_dim is a multiple of 8 */
-    float eps;
-    const float *rope_cos, *rope_sin; /* [positions, head_dim]: full width, sin signed (kvlab.nn.rope) */
-    const llama_layer *layers;
-    const float *final_norm;
-    qmatrix lm_head;
-} llama_model;
-
+/* The step's scratch, carved out of the arena: activations, then attention's per-unit work. */
 typedef struct {
     float *normed, *qkv, *att, *gate_up, *act;
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
     int16_t *qx;
     float *dx, *sx;
+    int *unit_first; /* [rows + 1]: row r's attention units are unit_first[r] .. unit_first[r + 1] - 1 */
+    int *unit_row;   /* [units]: the row each unit belongs to */
 } scratch;
+
+static inline int chunks_at(int pos) { return pos / CHUNK + 1; }
 
 /* x [rows, dim] -> rms-normalised, scaled by w, then quantised for the next product. */
 static void norm_quantize(const float *x, const float *w, int rows, int dim, float eps, float *out, scratch *s) {
@@ -68,34 +62,6 @@ static void rope(float *v, const float *cos, const float *sin, int dim, int inte
     for (int i = 0; i < dim; i++) {
         const int partner = interleaved ? (i ^ 1) : (i + dim / 2) % dim;
         v[i] = tmp[i] * cos[i] + tmp[partner] * sin[i];
-    }
-}
-
-/* Eight cache values from element i on, widened to fp32. */
-static inline __m256 load8(const void *cache, int dtype, size_t i) {
-    if (dtype == CACHE_F32) return _mm256_loadu_ps((const float *)cache + i);
-    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
-    if (dtype == CACHE_F16) return _mm256_cvtph_ps(half);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)); /* bf16: the high half */
-}
-
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if (isnan(x)) return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
-}
-
-/* src[0 .. n-1] into the cache from element i on, in its element type. */
-static void store_row(void *cache, int dtype, size_t i, const float *src, int n) {
-    if (dtype == CACHE_F32) {
-        memcpy((float *)cache + i, src, n * sizeof(float));
-    } else if (dtype == CACHE_F16) {
-        for (int j = 0; j < n; j += 8)
-            _mm_storeu_si128((__m128i *)((uint16_t *)cache + i + j),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
-    } else {
-        for (int j = 0; j < n; j++) ((uint16_t *)cache)[i + j] = to_bf16(src[j]);
     }
 }
 
@@ -125,69 +91,238 @@ void exp_nonpositive(const float *x, float *y, int n) {
     for (; i < n; i++) y[i] = expf(x[i]);
 }
 
-#define CHUNK 128 /* tokens per attention work unit */
-#define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
 
-/* Attention is split into units of (row, KV head, chunk of CHUNK tokens), so two threads stay
- * busy however few KV heads there are, and each unit reads its keys and values once for all
- * the query heads sharing them. A unit leaves, per query head, the chunk's softmax partials:
- * its largest score, the sum of exp(score - largest) and the exp-weighted sum of values;
- * `combine_heads` merges the chunks, as flash-decoding does. */
-static void attend_chunk(const llama_model *m, const llama_layer *l, int pos, int unit, const float *qkv,
-                         int width, scratch *s) {
-    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, dtype = m->cache_dtype;
-    const int chunks = pos / CHUNK + 1, c = unit % chunks, kvh = unit / chunks % hkv, r = unit / chunks / hkv;
-    const int start = c * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1;
-    const size_t base = ((size_t)r * hkv + kvh) * m->capacity * d;
-    const float scale = 1.0f / sqrtf((float)d);
-    float *scores = s->scores + (size_t)unit * group * CHUNK;
-    for (int t = start; t < end; t++) {
-        __m256 acc[MAX_GROUP];
-        for (int j = 0; j < group; j++) acc[j] = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8) {
-            const __m256 k = load8(l->k_cache, dtype, base + (size_t)t * d + i);
-            for (int j = 0; j < group; j++) {
-                const float *q = qkv + (size_t)r * width + (size_t)(kvh * group + j) * d;
-                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), k, acc[j]);
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* Four horizontal sums at once: [sum a, sum b, sum c, sum d]. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* What one attention unit reads, resolved once: the chunk's cache rows and, for int8, one
+ * group's scale and zero per row widened to fp32 (refilled per group, used by every head). */
+typedef struct {
+    size_t slots[CHUNK]; /* row (block, head, offset) of each of the chunk's tokens */
+    float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
+    int len, d, gsize, groups;
+} chunk_rows;
+
+static inline float half_at(const uint16_t *h, size_t i) { return f16_to_f32(h[i]); }
+
+/* Whether the next 8 of n slots are one run of consecutive rows (inside one block, or blocks
+ * that happen to be adjacent): checking the ends alone would miss a block in between. */
+static inline int consecutive(const size_t *slots, int n) {
+    if (n < 8) return 0;
+    for (int u = 1; u < 8; u++)
+        if (slots[u] != slots[0] + u) return 0;
+    return 1;
+}
+
+/* Group g's int8 scale and zero of every row of the chunk into c (K's and V's), zero-padded
+ * to a multiple of 8 rows; with one group per row, runs of 8 rows in a block convert at once. */
+static void load_group(const llama_layer *l, chunk_rows *c, int g) {
+    const uint16_t *from[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
+    float *to[4] = {c->k_scale, c->k_zero, c->v_scale, c->v_zero};
+    for (int t = 0; t < c->len;) {
+        if (c->groups == 1 && consecutive(c->slots + t, c->len - t)) {
+            for (int f = 0; f < 4; f++)
+                _mm256_storeu_ps(to[f] + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(from[f] + c->slots[t]))));
+            t += 8;
+        } else {
+            for (int f = 0; f < 4; f++) to[f][t] = half_at(from[f], c->slots[t] * c->groups + g);
+            t++;
+        }
+    }
+    for (int t = c->len; t % 8; t++) c->k_scale[t] = c->k_zero[t] = c->v_scale[t] = c->v_zero[t] = 0.0f;
+}
+
+/* dots[h][t] = q_h . k_t over channels lo .. hi - 1 (raw lanes) for GH query heads (q, stride d)
+ * and TB keys from t0 on: each key's lanes are loaded and widened once for all GH heads, each
+ * query load serves TB keys, the GH x TB accumulators stay in registers and are summed four
+ * at a time. */
+static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, int dtype, const chunk_rows *c,
+                                                          const float *q, int lo, int hi, int t0, float *dots,
+                                                          const int GH, const int TB) {
+    __m256 acc[GH * TB];
+    for (int a = 0; a < GH * TB; a++) acc[a] = _mm256_setzero_ps();
+    for (int i = lo; i < hi; i += 8) {
+        for (int u = 0; u < TB; u++) {
+            const __m256 x = load8(k, dtype, c->slots[t0 + u], i, c->d);
+            for (int h = 0; h < GH; h++)
+                acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x, acc[h * TB + u]);
+        }
+    }
+    float sums[GH * TB + 3];
+    int a = 0;
+    for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
+    for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
+}
+
+/* out[h][i0 .. i0 + 8 NV) = (sum_t w[h][t] v_t (raw lanes) + offset[h]) factor over the chunk
+ * for GH query heads (w stride CHUNK, out stride d): each value's lanes are widened once for
+ * all GH heads, the GH x NV accumulators stay in registers across the chunk. */
+static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, int dtype, const chunk_rows *c,
+                                                            const float *w, int i0, const float *offset,
+                                                            float factor, float *out, const int GH, const int NV) {
+    __m256 acc[GH][NV];
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < NV; u++) acc[h][u] = _mm256_setzero_ps();
+    for (int t = 0; t < c->len; t++) {
+        const size_t slot = c->slots[t];
+        __m256 wt[GH];
+        for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
+        for (int u = 0; u < NV; u++) {
+            const __m256 x = load8(v, dtype, slot, i0 + 8 * u, c->d);
+            for (int h = 0; h < GH; h++) acc[h][u] = _mm256_fmadd_ps(wt[h], x, acc[h][u]);
+        }
+    }
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < NV; u++)
+            _mm256_storeu_ps(out + h * c->d + i0 + 8 * u,
+                             _mm256_mul_ps(_mm256_add_ps(acc[h][u], _mm256_set1_ps(offset[h])),
+                                           _mm256_set1_ps(factor)));
+}
+
+/* GH (1..4) query heads sharing one KV head over one chunk: scores, softmax partials, then the
+ * weighted values (TB keys, NV value vectors a pass, so the accumulators fit AVX2's 16
+ * registers). int8's scale and zero apply per group of channels to whole dot products and
+ * weights, never per lane: q . k = sum_g scale_g (q_g . codes_g) + zero_g sum(q_g), and
+ * sum_t p_t v_t = sum_t (p_t scale_t) codes_t + sum_t p_t zero_t, within each group. */
+static inline __attribute__((always_inline)) void attend_heads(const llama_layer *l, int dtype, chunk_rows *c,
+                                                              const float *q, float *scores, float k_factor,
+                                                              float v_factor, float *part_max, float *part_sum,
+                                                              float *out, const int GH) {
+    const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2, d = c->d;
+    const int groups = dtype == CACHE_INT8 ? c->groups : 1, gsize = dtype == CACHE_INT8 ? c->gsize : d;
+    float part[dtype == CACHE_INT8 ? GH * CHUNK : 1]; /* int8: one group's dot products, or its weights */
+    int t;
+    for (int g = 0; g < groups; g++) {
+        const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
+        float *dots = dtype == CACHE_INT8 ? part : scores;
+        for (t = 0; t + TB <= c->len; t += TB) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+        for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+        if (dtype != CACHE_INT8) break;
+        load_group(l, c, g);
+        for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
+            float qsum = 0.0f;
+            for (int i = lo; i < hi; i++) qsum += q[h * d + i];
+            const __m256 qs = _mm256_set1_ps(qsum);
+            float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
+            for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
+                __m256 dot = _mm256_fmadd_ps(_mm256_loadu_ps(ph + t), _mm256_loadu_ps(c->k_scale + t),
+                                             _mm256_mul_ps(_mm256_loadu_ps(c->k_zero + t), qs));
+                if (g) dot = _mm256_add_ps(dot, _mm256_loadu_ps(sh + t));
+                _mm256_storeu_ps(sh + t, dot);
             }
         }
-        for (int j = 0; j < group; j++) scores[j * CHUNK + (t - start)] = hsum(acc[j]) * scale;
     }
-    for (int j = 0; j < group; j++) {
-        float *sj = scores + j * CHUNK, top = -INFINITY, total = 0.0f;
-        const int len = end - start;
-        for (int t = 0; t < len; t++) top = fmaxf(top, sj[t]);
+    const __m256 kf = _mm256_set1_ps(k_factor);
+    for (int h = 0; h < GH; h++) { /* each head's softmax partials, exp'd in place */
+        float *sh = scores + h * CHUNK;
+        for (t = 0; t < c->len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (t = 0; t + 8 <= c->len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
+        float top = hmax(top8), total;
+        for (; t < c->len; t++) top = fmaxf(top, sh[t]);
         __m256 sum = _mm256_setzero_ps();
-        int t = 0;
-        for (; t + 8 <= len; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(sj + t, e);
+        for (t = 0; t + 8 <= c->len; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(top)));
+            _mm256_storeu_ps(sh + t, e);
             sum = _mm256_add_ps(sum, e);
         }
         total = hsum(sum);
-        for (; t < len; t++) total += sj[t] = expf(sj[t] - top);
-        const size_t at = (size_t)unit * group + j;
-        s->part_max[at] = top, s->part_sum[at] = total;
-        float *out = s->part_out + at * d;
-        for (int i = 0; i < d; i++) out[i] = 0.0f;
+        for (; t < c->len; t++) total += sh[t] = expf(sh[t] - top);
+        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the int8 passes below */
+        part_max[h] = top, part_sum[h] = total;
     }
-    for (int t = start; t < end; t++) {
-        for (int i = 0; i < d; i += 8) {
-            const __m256 v = load8(l->v_cache, dtype, base + (size_t)t * d + i);
-            for (int j = 0; j < group; j++) {
-                float *out = s->part_out + ((size_t)unit * group + j) * d + i;
-                _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(scores[j * CHUNK + (t - start)]), v,
-                                                      _mm256_loadu_ps(out)));
+    float offset[GH];
+    for (int g = 0; g < groups; g++) {
+        const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
+        const float *w = scores;
+        for (int h = 0; h < GH; h++) offset[h] = 0.0f;
+        if (dtype == CACHE_INT8) { /* the weights' share of the zeros, then the scales folded into the weights */
+            if (groups > 1) load_group(l, c, g); /* one group: still loaded from the key pass */
+            for (int h = 0; h < GH; h++) {
+                __m256 share = _mm256_setzero_ps();
+                for (t = 0; t < c->len; t += 8) {
+                    const __m256 p = _mm256_loadu_ps(scores + h * CHUNK + t);
+                    share = _mm256_fmadd_ps(p, _mm256_loadu_ps(c->v_zero + t), share);
+                    _mm256_storeu_ps(part + h * CHUNK + t, _mm256_mul_ps(p, _mm256_loadu_ps(c->v_scale + t)));
+                }
+                offset[h] = hsum(share);
             }
+            w = part;
         }
+        int i = lo;
+        for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, NV);
+        for (; i < hi; i += 8) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, 1);
+    }
+}
+
+/* Attention is split into units of (row, KV head, chunk of CHUNK tokens), so two threads stay
+ * busy however few rows or KV heads there are. A unit leaves, per query head of its group, the
+ * chunk's softmax partials: its largest score, the sum of exp(score - largest) and the
+ * exp-weighted sum of values; `combine_heads` merges the chunks, as flash-decoding does. The
+ * chunk's rows are looked up in the row's block table once (chunks need not align with
+ * blocks); the query heads then go over them in packs of up to four, so each key and value
+ * is read and widened (dequantised, for fp8 and int8) once per pack, not once per head: that
+ * widening costs more than fp16's, and paid per head it ate the narrow formats' saving in
+ * bytes. Inlined once per cache format (attend_unit), so the loops carry no format test. */
+static inline __attribute__((always_inline)) void attend_chunk(const llama_model *m, const llama_layer *l,
+                                                              const paged_view *v, int unit, const float *qkv,
+                                                              int width, scratch *s, const int dtype) {
+    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
+    const int r = s->unit_row[unit], pos = v->positions[r], chunks = chunks_at(pos);
+    const int local = unit - s->unit_first[r], kvh = local / chunks, ch = local % chunks;
+    const int start = ch * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1;
+    const int32_t *table = v->block_tables + (size_t)r * v->max_blocks;
+    chunk_rows c;
+    c.len = end - start, c.d = d;
+    c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
+    c.groups = (d + c.gsize - 1) / c.gsize;
+    for (int t = start; t < end; t++) c.slots[t - start] = ((size_t)table[t / bs] * hkv + kvh) * bs + t % bs;
+    const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
+    const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
+    for (int h = 0; h < group;) {
+        const int pack = group - h < 4 ? group - h : 4;
+        const size_t at = (size_t)unit * group + h;
+        float *scores = s->scores + at * CHUNK, *out = s->part_out + at * d;
+        const float *qh = q + (size_t)h * d;
+        float *top = s->part_max + at, *sum = s->part_sum + at;
+        switch (pack) {
+        case 1: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 1); break;
+        case 2: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 2); break;
+        case 3: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 3); break;
+        default: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 4);
+        }
+        h += pack;
+    }
+}
+
+static void attend_unit(const llama_model *m, const llama_layer *l, const paged_view *v, int unit, const float *qkv,
+                        int width, scratch *s) {
+    switch (m->cache_dtype) {
+    case CACHE_F32: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_F32); break;
+    case CACHE_F16: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_F16); break;
+    case CACHE_BF16: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_BF16); break;
+    case CACHE_FP8_E4M3: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E4M3); break;
+    case CACHE_FP8_E5M2: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E5M2); break;
+    default: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8); break;
     }
 }
 
 /* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
-static void combine_heads(const llama_model *m, int pos, int r, int h, const scratch *s, float *out) {
-    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, chunks = pos / CHUNK + 1;
+static void combine_heads(const llama_model *m, const paged_view *v, int r, int h, const scratch *s, float *out) {
+    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, chunks = chunks_at(v->positions[r]);
     const int kvh = h / group, j = h % group;
-    const size_t first = (((size_t)r * hkv + kvh) * chunks) * group + j; /* unit (r, kvh, 0), head j */
+    const size_t first = ((size_t)s->unit_first[r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
     float top = -INFINITY, total = 0.0f;
     for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * group]);
     for (int i = 0; i < d; i++) out[i] = 0.0f;
@@ -206,29 +341,33 @@ static void stack_gemm(const qstack *w, int rows, const scratch *s, float *y, in
         qmatrix_gemm(&w->part[i], rows, s->qx, s->dx, s->sx, y + at, width, 0);
 }
 
-static void layer_step(const llama_model *m, const llama_layer *l, int pos, float *x, scratch *s) {
-    const int rows = m->batch, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads;
+static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *v, float *x, scratch *s) {
+    const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
     const int width = (hq + 2 * hkv) * d;
 #pragma omp single
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->qkv, rows, s, s->qkv, width);
-#pragma omp single
-    for (int r = 0; r < rows; r++) { /* RoPE on queries and keys, then K and V into the cache */
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) { /* RoPE at the row's own position, then its K and V into its block */
+        const int pos = v->positions[r];
         float *heads = s->qkv + (size_t)r * width;
         const float *cos = m->rope_cos + (size_t)pos * d, *sin = m->rope_sin + (size_t)pos * d;
         for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+        const int32_t block = v->block_tables[(size_t)r * v->max_blocks + pos / bs];
         for (int h = 0; h < hkv; h++) {
-            const size_t slot = (((size_t)r * hkv + h) * m->capacity + pos) * d;
-            store_row(l->k_cache, m->cache_dtype, slot, heads + (hq + h) * d, d);
-            store_row(l->v_cache, m->cache_dtype, slot, heads + (hq + hkv + h) * d, d);
+            const size_t slot = ((size_t)block * hkv + h) * bs + pos % bs;
+            store_row(&l->k, m->cache_dtype, slot, h, heads + (hq + h) * d, d, m->group_size);
+            store_row(&l->v, m->cache_dtype, slot, h, heads + (hq + hkv + h) * d, d, m->group_size);
         }
     }
-    const int units = rows * hkv * (pos / CHUNK + 1);
-#pragma omp for schedule(static)
-    for (int unit = 0; unit < units; unit++) attend_chunk(m, l, pos, unit, s->qkv, width, s);
+    const int units = s->unit_first[rows];
+    /* dynamic: units differ in length (each row's last chunk is partly filled), and a thread
+     * the OS has descheduled on a shared machine should not hold back a fixed share of them */
+#pragma omp for schedule(dynamic, 1)
+    for (int unit = 0; unit < units; unit++) attend_unit(m, l, v, unit, s->qkv, width, s);
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
-        combine_heads(m, pos, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
+        combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
 #pragma omp single
     quantize_act(s->att, (size_t)rows * hq * d, s->qx, s->dx, s->sx);
     qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, m->dim, 1); /* the residual add is the accumulate */
@@ -247,46 +386,141 @@ static void layer_step(const llama_model *m, const llama_layer *l, int pos, floa
     qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, m->dim, 1);
 }
 
-/* Advance every row by one token at position `pos`: x [batch, dim] holds the new tokens'
- * embeddings on entry (it is the residual stream, overwritten), logits [batch, vocab] receive
- * the next-token scores, and each layer's cache gains the token at `pos`. Returns 0, -1 when
- * scratch memory cannot be had, -2 when `pos` is outside the cache, -3 when more than
- * MAX_GROUP query heads share a KV head. */
-int llama_decode_step(const llama_model *m, int pos, float *x, float *logits) {
-    if (pos < 0 || pos >= m->capacity) return -2;
-    if (m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
-    const int rows = m->batch, widest = m->hidden > m->dim ? m->hidden : m->dim;
-    const size_t chunk_heads = (size_t)rows * m->n_heads * (pos / CHUNK + 1); /* (unit, query head) pairs */
+kvlab_arena *kvlab_arena_new(void) { return calloc(1, sizeof(kvlab_arena)); }
+
+void kvlab_arena_free(kvlab_arena *a) {
+    if (a) free(a->base), free(a);
+}
+
+#define ALIGN 64 /* each carved buffer starts on its own cache line, so threads never share one */
+
+static size_t aligned(size_t bytes) { return (bytes + ALIGN - 1) / ALIGN * ALIGN; }
+
+/* At least `bytes` of the arena, grown by half again when short: contexts grow a token at a
+ * time, and growing by exactly what is needed would reallocate every CHUNK tokens. */
+static void *arena_reserve(kvlab_arena *a, size_t bytes) {
+    if (bytes > a->capacity) {
+        const size_t grown = aligned(bytes + bytes / 2);
+        void *base = aligned_alloc(ALIGN, grown);
+        if (!base) return NULL;
+        free(a->base);
+        a->base = base, a->capacity = grown;
+    }
+    return a->base;
+}
+
+/* Lay the step's buffers for `rows` rows and `units` attention units out from `base`; with
+ * base NULL only count the bytes. */
+static size_t carve(const llama_model *m, int rows, int units, char *base, scratch *s) {
+    const int widest = m->hidden > m->dim ? m->hidden : m->dim;
     const int attn_width = m->n_heads * m->head_dim > widest ? m->n_heads * m->head_dim : widest;
-    scratch s = {
-        .normed = malloc((size_t)rows * m->dim * sizeof(float)),
-        .qkv = malloc((size_t)rows * (m->n_heads + 2 * m->n_kv_heads) * m->head_dim * sizeof(float)),
-        .att = malloc((size_t)rows * m->n_heads * m->head_dim * sizeof(float)),
-        .gate_up = malloc((size_t)rows * 2 * m->hidden * sizeof(float)),
-        .act = malloc((size_t)rows * m->hidden * sizeof(float)),
-        .scores = malloc(chunk_heads * CHUNK * sizeof(float)),
-        .part_max = malloc(chunk_heads * sizeof(float)),
-        .part_sum = malloc(chunk_heads * sizeof(float)),
-        .part_out = malloc(chunk_heads * m->head_dim * sizeof(float)),
-        .qx = malloc((size_t)rows * attn_width * sizeof(int16_t)),
-        .dx = malloc((size_t)rows * (attn_width / QK) * sizeof(float)),
-        .sx = malloc((size_t)rows * (attn_width / QK) * sizeof(float)),
+    const size_t chunk_heads = (size_t)units * (m->n_heads / m->n_kv_heads); /* (unit, query head) pairs */
+    const size_t sizes[] = {
+        (size_t)rows * m->dim * sizeof(float),
+        (size_t)rows * (m->n_heads + 2 * m->n_kv_heads) * m->head_dim * sizeof(float),
+        (size_t)rows * m->n_heads * m->head_dim * sizeof(float),
+        (size_t)rows * 2 * m->hidden * sizeof(float),
+        (size_t)rows * m->hidden * sizeof(float),
+        chunk_heads * CHUNK * sizeof(float),
+        chunk_heads * sizeof(float),
+        chunk_heads * sizeof(float),
+        chunk_heads * m->head_dim * sizeof(float),
+        (size_t)rows * attn_width * sizeof(int16_t),
+        (size_t)rows * (attn_width / QK) * sizeof(float),
+        (size_t)rows * (attn_width / QK) * sizeof(float),
+        (size_t)(rows + 1) * sizeof(int),
+        (size_t)units * sizeof(int),
     };
-    int status = 0;
-    if (!s.normed || !s.qkv || !s.att || !s.gate_up || !s.act || !s.scores || !s.part_max || !s.part_sum ||
-        !s.part_out || !s.qx || !s.dx || !s.sx) {
-        status = -1;
-    } else {
-#pragma omp parallel
-        {
-            for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], pos, x, &s);
-#pragma omp single
-            norm_quantize(x, m->final_norm, rows, m->dim, m->eps, s.normed, &s);
-            qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, m->vocab, 0);
+    void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
+                      (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
+                      (void **)&s->part_out, (void **)&s->qx, (void **)&s->dx, (void **)&s->sx,
+                      (void **)&s->unit_first, (void **)&s->unit_row};
+    size_t at = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        if (base) *slots[i] = base + at;
+        at += aligned(sizes[i]);
+    }
+    return at;
+}
+
+/* The checks that keep a bad argument from writing outside the cache: 0 or the error code. */
+static int check_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
+                      int max_blocks, int block_size, int num_blocks) {
+    if (rows < 1 || max_blocks < 1 || block_size < 1) return -2;
+    if (m->n_heads % m->n_kv_heads || m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
+    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT8 || m->head_dim % 8 ||
+        (m->cache_dtype == CACHE_INT8 && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))))
+        return -4;
+    for (int r = 0; r < rows; r++) {
+        const int pos = positions[r];
+        if (pos < 0 || pos >= m->rope_len || pos / block_size >= max_blocks) return -2;
+        for (int b = 0; b <= pos / block_size; b++) {
+            const int32_t block = block_tables[(size_t)r * max_blocks + b];
+            if (block < 0 || block >= num_blocks) return -2;
         }
     }
-    free(s.normed), free(s.qkv), free(s.att), free(s.gate_up), free(s.act), free(s.scores);
-    free(s.part_max), free(s.part_sum), free(s.part_out);
-    free(s.qx), free(s.dx), free(s.sx);
+    return 0;
+}
+
+/* Advance `rows` rows by one token each: row r's token sits at positions[r]; its blocks are
+ * block_tables[r * max_blocks ..] (entries past positions[r] / block_size are not read), each
+ * of `block_size` tokens, in caches of `num_blocks` blocks. x [rows, dim] holds the new tokens'
+ * embeddings on entry (it is the residual stream, overwritten), logits [rows, vocab] receive
+ * the next-token scores, and each layer's cache gains row r's K/V at its position. Returns 0;
+ * -1 when scratch memory cannot be had; -2 when a position, block or table is outside what
+ * the model and cache hold; -3 when the heads do not group (at most MAX_GROUP query heads per
+ * KV head); -4 for a cache format or int8 group size this step cannot run. Rows must not
+ * share a (block, offset): each writes its own token. */
+int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
+                            int max_blocks, int block_size, int num_blocks, float *x, float *logits,
+                            kvlab_arena *arena) {
+    const int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
+    if (status) return status;
+    int units = 0;
+    for (int r = 0; r < rows; r++) units += m->n_kv_heads * chunks_at(positions[r]);
+    scratch s;
+    char *base = arena_reserve(arena, carve(m, rows, units, NULL, &s));
+    if (!base) return -1;
+    carve(m, rows, units, base, &s);
+    s.unit_first[0] = 0;
+    for (int r = 0; r < rows; r++) {
+        s.unit_first[r + 1] = s.unit_first[r] + m->n_kv_heads * chunks_at(positions[r]);
+        for (int u = s.unit_first[r]; u < s.unit_first[r + 1]; u++) s.unit_row[u] = r;
+    }
+    const paged_view view = {rows, max_blocks, block_size, positions, block_tables};
+#pragma omp parallel
+    {
+        for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], &view, x, &s);
+#pragma omp single
+        norm_quantize(x, m->final_norm, rows, m->dim, m->eps, s.normed, &s);
+        qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, m->vocab, 0);
+    }
+    return 0;
+}
+
+/* The contiguous case: every row at position `pos` of a cache [batch, kv_heads, capacity,
+ * head_dim], which is a pool of `batch` blocks of `capacity` tokens, row r owning block r.
+ * Returns llama_paged_decode_step's codes (-2 when `pos` is outside the cache). */
+int llama_decode_step(const llama_model *m, int batch, int capacity, int pos, float *x, float *logits,
+                      kvlab_arena *arena) {
+    if (batch < 1 || pos < 0 || pos >= capacity) return -2;
+    int32_t *rows = malloc(2 * (size_t)batch * sizeof(int32_t)); /* positions, then the one-block tables */
+    if (!rows) return -1;
+    for (int r = 0; r < batch; r++) rows[r] = pos, rows[batch + r] = r;
+    const int status = llama_paged_decode_step(m, batch, rows, rows + batch, 1, capacity, batch, x, logits, arena);
+    free(rows);
     return status;
+}
+
+/* Test hooks: the stores' quantisers alone, so tests can hold them to PyTorch's byte for byte. */
+void kvlab_fp8_encode(int e4m3, const float *x, uint8_t *out, size_t n) {
+    for (size_t i = 0; i < n; i++) out[i] = fp8_encode(x[i], e4m3);
+}
+
+void kvlab_int8_quantize(const float *x, int rows, int d, int gsize, uint8_t *codes, uint16_t *scale,
+                         uint16_t *zero) {
+    const int groups = (d + gsize - 1) / gsize;
+    for (int r = 0; r < rows; r++)
+        int8_quantize_row(x + (size_t)r * d, d, gsize, codes + (size_t)r * d, scale + (size_t)r * groups,
+                          zero + (size_t)r * groups);
 }

@@ -1,0 +1,110 @@
+"""Decode steps over the engine's paged pool: the C step (kvlab.nn.paged_decode) against the module path.
+
+    python -m kvlab.bench.paged_decode_speed [--repeats 15] [--rows 16] [--context 4096] [--threads N]
+
+Two measurements on SmolLM2-135M (Q4_1 GGUF blocks, fp32 activations), each a ratio within
+one run, the contenders taking turns so that load from other processes falls on all alike:
+
+1. `--rows` sequences at mixed positions (evenly from 64 to 1,024 tokens, shuffled blocks of 16
+   tokens), one decode step for all of them: C step against the module path, fp16 pool;
+2. one sequence at `--context` tokens: the C step on fp16, int8 and fp8 (e4m3) pools, where
+   the narrow pools read about half of fp16's bytes in attention.
+
+The pools are filled with random K/V rather than a prefill (minutes of CPU for the 16 rows);
+a step's time does not depend on the values. Medians of `--repeats` steps after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from kvlab.cache.pool import KVPool
+from kvlab.cache.step import StepBatch
+from kvlab.checkpoints.resolve import load_model
+from kvlab.nn.paged_decode import PagedDecodeStep
+
+BLOCK = 16
+
+
+def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0) -> tuple[KVPool, list[list[int]]]:
+    """A pool holding random K/V for rows decoding at `positions`, with shuffled block tables."""
+    need = [pos // BLOCK + 1 for pos in positions]
+    pool = KVPool.for_model(model.config, sum(need), BLOCK, kv_cache_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in pool.tensors():
+        if tensor.dtype == torch.uint8:
+            tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, dtype=torch.uint8))
+        elif tensor.dtype == torch.float16 and kv_cache_dtype == "int8":  # per-group scale and zero
+            tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.01)
+        else:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+    order = torch.randperm(pool.num_blocks, generator=generator).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(order[at:at + n])
+        at += n
+    return pool, tables
+
+
+def median_ms(contenders: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each contender's median time in ms, the contenders taking turns (one warm-up call each)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for name, run in contenders.items():
+        run()
+    for _ in range(repeats):
+        for name, run in contenders.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model("smollm2-135m", torch.float32, "gguf").model
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start")
+
+    positions = torch.linspace(64, 1024, args.rows).long().tolist()
+    pool, tables = random_pool(model, positions, "fp16")
+    batch = StepBatch.build(positions, [1] * args.rows, tables, BLOCK)
+    ids = torch.randint(0, model.config.vocab_size, (args.rows,), generator=torch.Generator().manual_seed(1))
+    step = PagedDecodeStep(model, pool, args.rows)
+
+    def module_path():
+        with torch.inference_mode():
+            return model(ids[None], pool, last_only=True, step=batch)
+
+    batched = median_ms({"C step": lambda: step(ids, batch), "module path": module_path}, args.repeats)
+    print(f"{args.rows} rows at positions {positions[0]}..{positions[-1]} (fp16 pool): "
+          f"C step {batched['C step']:.1f} ms, module path {batched['module path']:.1f} ms, "
+          f"{batched['module path'] / batched['C step']:.2f}x")
+
+    single = {}
+    for dtype in ("fp16", "int8", "fp8"):
+        pool, tables = random_pool(model, [args.context], dtype)
+        one = StepBatch.build([args.context], [1], tables, BLOCK)
+        single[dtype] = (PagedDecodeStep(model, pool, 1), one)
+    token = ids[:1]
+    long = median_ms({dtype: (lambda s=s, b=b: s(token, b)) for dtype, (s, b) in single.items()}, args.repeats)
+    print(f"1 row at {args.context} tokens, C step: " + ", ".join(
+        f"{dtype} {ms:.1f} ms ({ms / long['fp16']:.2f}x fp16)" for dtype, ms in long.items()))
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    return {"batched_ms": batched, "long_context_ms": long}
+
+
+if __name__ == "__main__":
+    main()

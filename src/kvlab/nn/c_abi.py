@@ -1,0 +1,103 @@
+"""ctypes mirrors of the C decode steps' structs and constants, and the check that they still match.
+
+ctypes lays a Structure out from its `_fields_` alone: a field added, removed or retyped in
+csrc/llama_decode.h but not here shifts every later field, and the C step then reads a
+pointer where it expects an int, with no error. csrc/abi.c exports a table of the structs'
+sizes, their fields' offsets and the shared constants; `abi_mismatches` compares it with
+these mirrors, and kvlab.nn.ggml's loader refuses a library for which it finds any.
+
+Nothing here imports the loader, so the loader can import this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Mapping, Optional
+
+import torch
+
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+# csrc/llama_decode.h's CACHE_*: the cache element formats the C steps read and write.
+CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+CACHE_INT8 = 5  # uint8 codes with fp16 scale and zero per group (kvlab.cache.codecs.GroupCodec, 8 bits)
+CHUNK = 128  # tokens per attention work unit
+MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
+
+CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
+             "CACHE_INT8": CACHE_INT8, "CHUNK": CHUNK, "MAX_GROUP": MAX_GROUP, "QK": 32}
+
+
+class QMatrix(ctypes.Structure):
+    """ggml_gemv.h's qmatrix: one matrix as planes (kind, shape, codes, scales, offsets)."""
+    _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
+
+
+class QStack(ctypes.Structure):
+    """ggml_gemv.h's qstack: up to three matrices whose outputs sit side by side."""
+    _fields_ = [("part", QMatrix * 3), ("parts", _int)]
+
+
+class KVPlane(ctypes.Structure):
+    """llama_decode.h's kv_plane: one side (K or V) of one layer's cache."""
+    _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("fp8_scale", _ptr)]
+
+
+class LlamaLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QStack), ("o", QMatrix),
+                ("gate_up", QStack), ("down", QMatrix), ("k", KVPlane), ("v", KVPlane)]
+
+
+class LlamaModel(ctypes.Structure):
+    _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
+                ("hidden", _int), ("vocab", _int), ("rope_len", _int), ("rope_interleaved", _int),
+                ("cache_dtype", _int), ("group_size", _int), ("eps", _float), ("rope_cos", _ptr),
+                ("rope_sin", _ptr), ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr),
+                ("lm_head", QMatrix)]
+
+
+MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qstack": QStack, "kv_plane": KVPlane,
+                                              "llama_layer": LlamaLayer, "llama_model": LlamaModel}
+
+
+def abi_table(lib: ctypes.CDLL) -> dict[str, int]:
+    """The library's exported table: struct sizes, "struct.field" offsets and constants."""
+    lib.kvlab_abi_count.restype = ctypes.c_int
+    lib.kvlab_abi_name.argtypes, lib.kvlab_abi_name.restype = [ctypes.c_int], ctypes.c_char_p
+    lib.kvlab_abi_value.argtypes, lib.kvlab_abi_value.restype = [ctypes.c_int], ctypes.c_long
+    return {lib.kvlab_abi_name(i).decode(): lib.kvlab_abi_value(i) for i in range(lib.kvlab_abi_count())}
+
+
+def abi_mismatches(table: Mapping[str, int], mirrors: Optional[Mapping[str, type[ctypes.Structure]]] = None,
+                   constants: Optional[Mapping[str, int]] = None) -> list[str]:
+    """Every way `table` (abi_table's) disagrees with the mirrors and constants; empty when none.
+
+    Each struct must have the same size, the same set of fields and each field the same
+    offset on both sides; each constant must exist on both sides with one value.
+    """
+    mirrors = MIRRORS if mirrors is None else mirrors
+    constants = CONSTANTS if constants is None else constants
+    problems = []
+    for name, mirror in mirrors.items():
+        if name not in table:
+            problems.append(f"struct {name} is mirrored in Python but not exported by the library")
+            continue
+        if ctypes.sizeof(mirror) != table[name]:
+            problems.append(f"sizeof({name}) is {table[name]} in C, {ctypes.sizeof(mirror)} in {mirror.__name__}")
+        c_fields = {key.split(".", 1)[1]: value for key, value in table.items() if key.startswith(name + ".")}
+        py_fields = {field[0]: getattr(mirror, field[0]).offset for field in mirror._fields_}
+        for field in sorted(c_fields.keys() - py_fields.keys()):
+            problems.append(f"{name}.{field} is in C but missing from {mirror.__name__}")
+        for field in sorted(py_fields.keys() - c_fields.keys()):
+            problems.append(f"{mirror.__name__}.{field} is not a field of {name} in C")
+        for field in sorted(c_fields.keys() & py_fields.keys()):
+            if c_fields[field] != py_fields[field]:
+                problems.append(f"offsetof({name}, {field}) is {c_fields[field]} in C, {py_fields[field]} in Python")
+    structs = {key.split(".", 1)[0] for key in table if "." in key}
+    for name in sorted(structs - mirrors.keys()):
+        problems.append(f"struct {name} is exported by the library but has no Python mirror")
+    exported = {key: value for key, value in table.items() if "." not in key and key not in structs}
+    for name in sorted(exported.keys() | constants.keys()):
+        if exported.get(name) != constants.get(name):
+            problems.append(f"constant {name} is {exported.get(name)} in C, {constants.get(name)} in Python")
+    return problems

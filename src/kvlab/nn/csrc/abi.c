@@ -1,0 +1,42 @@
+/* The library's binary interface as data: every struct Python passes (their sizes and field
+ * offsets) and the constants both sides use. kvlab.nn.c_abi reads this table when the library
+ * loads and compares it with its ctypes mirrors; a mismatch refuses the library, where a
+ * drifted mirror would otherwise pass shifted pointers without a word.
+ */
+#include <stddef.h>
+
+#include "llama_decode.h"
+
+typedef struct {
+    const char *name; /* "struct" (its size), "struct.field" (the field's offset) or a constant */
+    long value;
+} abi_entry;
+
+#define SIZE(type) {#type, (long)sizeof(type)}
+#define FIELD(type, field) {#type "." #field, (long)offsetof(type, field)}
+#define CONSTANT(name) {#name, (long)(name)}
+
+static const abi_entry ABI[] = {
+    SIZE(qmatrix), FIELD(qmatrix, kind), FIELD(qmatrix, n), FIELD(qmatrix, k), FIELD(qmatrix, codes),
+    FIELD(qmatrix, d), FIELD(qmatrix, m),
+    SIZE(qstack), FIELD(qstack, part), FIELD(qstack, parts),
+    SIZE(kv_plane), FIELD(kv_plane, data), FIELD(kv_plane, scale), FIELD(kv_plane, zero),
+    FIELD(kv_plane, fp8_scale),
+    SIZE(llama_layer), FIELD(llama_layer, attn_norm), FIELD(llama_layer, mlp_norm), FIELD(llama_layer, qkv),
+    FIELD(llama_layer, o), FIELD(llama_layer, gate_up), FIELD(llama_layer, down), FIELD(llama_layer, k),
+    FIELD(llama_layer, v),
+    SIZE(llama_model), FIELD(llama_model, n_layers), FIELD(llama_model, dim), FIELD(llama_model, n_heads),
+    FIELD(llama_model, n_kv_heads), FIELD(llama_model, head_dim), FIELD(llama_model, hidden),
+    FIELD(llama_model, vocab), FIELD(llama_model, rope_len), FIELD(llama_model, rope_interleaved),
+    FIELD(llama_model, cache_dtype), FIELD(llama_model, group_size), FIELD(llama_model, eps),
+    FIELD(llama_model, rope_cos), FIELD(llama_model, rope_sin), FIELD(llama_model, layers),
+    FIELD(llama_model, final_norm), FIELD(llama_model, lm_head),
+    CONSTANT(CACHE_F32), CONSTANT(CACHE_F16), CONSTANT(CACHE_BF16), CONSTANT(CACHE_FP8_E4M3),
+    CONSTANT(CACHE_FP8_E5M2), CONSTANT(CACHE_INT8), CONSTANT(CHUNK), CONSTANT(MAX_GROUP), CONSTANT(QK),
+};
+
+int kvlab_abi_count(void) { return (int)(sizeof ABI / sizeof ABI[0]); }
+
+const char *kvlab_abi_name(int i) { return i >= 0 && i < kvlab_abi_count() ? ABI[i].name : NULL; }
+
+long kvlab_abi_value(int i) { return i >= 0 && i < kvlab_abi_count() ? ABI[i].value : -1; }

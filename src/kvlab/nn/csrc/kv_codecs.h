@@ -1,0 +1,142 @@
+/* Reading and writing one cache row (a token of one KV head) in every format the decode step
+ * runs: what kvlab.cache.codecs does in PyTorch, bit for bit where it matters.
+ *
+ * Stores must produce the bytes PyTorch would, so the module path reading the same pool (or
+ * taking over mid-generation) sees identical cache contents:
+ *   fp16/bf16: round to nearest even, as torch's .to() does;
+ *   fp8:       x / scale, clamped to the format's largest finite value, rounded to nearest
+ *              even straight from fp32 (torch's c10 conversion; no double rounding via fp16);
+ *   int8:      kvlab.cache.quantize.quantize_groups: min-max per group in fp32, scale =
+ *              (max - min) / 255 and zero = min stored as fp16, codes = round-half-even of
+ *              (x - zero) / scale against the *stored* fp16 values, clamped to 0..255.
+ * Loads widen eight channels to fp32 lanes. fp8 never goes through a lookup table: e5m2 is
+ * the top byte of an fp16, and e4m3 placed in an fp16's bits is its value times 2^-8, so
+ * both are one F16C conversion (the 2^8 joins the per-head scale, applied to whole dot
+ * products by the caller).
+ */
+#ifndef KVLAB_KV_CODECS_H
+#define KVLAB_KV_CODECS_H
+
+#include <math.h>
+#include <string.h>
+
+#include "llama_decode.h"
+
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline uint16_t f32_to_f16(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (isnan(x)) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16); /* round to nearest even */
+}
+
+/* x -> fp8 bits (e4m3fn when e4m3, else e5m2), saturating, round to nearest even. */
+static inline uint8_t fp8_encode(float x, int e4m3) {
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const float limit = e4m3 ? 448.0f : 57344.0f;
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    if (isnan(x)) return sign | 0x7F;
+    float a = fabsf(x) > limit ? limit : fabsf(x); /* fp8_quantize clamps before converting */
+    if (a == 0.0f) return sign;
+    int e;
+    frexpf(a, &e); /* a = f 2^e, f in [0.5, 1): its binade is 2^(e-1) */
+    const int binade = e - 1 < 1 - bias ? 1 - bias : e - 1; /* subnormals share the lowest binade's step */
+    const float step = ldexpf(1.0f, binade - mbits);
+    a = rintf(a / step) * step; /* exact scaling by powers of two; rintf rounds half to even */
+    if (a == 0.0f) return sign; /* below half the smallest subnormal */
+    frexpf(a, &e);
+    if (e - 1 < 1 - bias) return sign | (uint8_t)(a / ldexpf(1.0f, 1 - bias - mbits)); /* subnormal */
+    const int mant = (int)(a / ldexpf(1.0f, e - 1 - mbits)) - (1 << mbits);
+    return sign | (uint8_t)(((e - 1 + bias) << mbits) | mant);
+}
+
+/* One row x[d] as int8 groups of `gsize` channels (the last may be partial): codes[d], scale
+ * and zero [ceil(d / gsize)] as fp16 bits. Plain fp32 division, never a reciprocal multiply,
+ * and no fused multiply-add: the codes must be quantize_groups' to the byte. */
+static inline void int8_quantize_row(const float *x, int d, int gsize, uint8_t *codes, uint16_t *scale,
+                                     uint16_t *zero) {
+    for (int g = 0, at = 0; at < d; g++, at += gsize) {
+        const int end = at + gsize < d ? at + gsize : d;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int i = at; i < end; i++) lo = fminf(lo, x[i]), hi = fmaxf(hi, x[i]);
+        scale[g] = f32_to_f16((hi - lo) / 255.0f);
+        zero[g] = f32_to_f16(lo);
+        const float z = f16_to_f32(zero[g]), s = f16_to_f32(scale[g]), step = s == 0.0f ? 1.0f : s;
+        for (int i = at; i < end; i++) {
+            const float code = rintf((x[i] - z) / step);
+            codes[i] = (uint8_t)(code < 0.0f ? 0.0f : code > 255.0f ? 255.0f : code);
+        }
+    }
+}
+
+/* Row `slot` (a token of one KV head: block x heads x block_size + head x block_size + offset)
+ * of plane p takes src[d]; `head` picks fp8's scale. */
+static inline void store_row(const kv_plane *p, int dtype, size_t slot, int head, const float *src, int d,
+                             int gsize) {
+    const size_t at = slot * d;
+    switch (dtype) {
+    case CACHE_F32:
+        memcpy((float *)p->data + at, src, d * sizeof(float));
+        break;
+    case CACHE_F16:
+        for (int j = 0; j < d; j += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)p->data + at + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+        break;
+    case CACHE_BF16:
+        for (int j = 0; j < d; j++) ((uint16_t *)p->data)[at + j] = to_bf16(src[j]);
+        break;
+    case CACHE_FP8_E4M3:
+    case CACHE_FP8_E5M2:
+        for (int j = 0; j < d; j++)
+            ((uint8_t *)p->data)[at + j] = fp8_encode(src[j] / p->fp8_scale[head], dtype == CACHE_FP8_E4M3);
+        break;
+    case CACHE_INT8: {
+        const size_t groups = (size_t)(d + gsize - 1) / gsize;
+        int8_quantize_row(src, d, gsize, (uint8_t *)p->data + at, p->scale + slot * groups, p->zero + slot * groups);
+        break;
+    }
+    }
+}
+
+/* Channels i .. i + 7 of row `slot`, widened to fp32 but not yet scaled: fp8 lanes come back
+ * without their per-head scale (e4m3 also 2^-8 too small), int8 lanes as the bare codes. The
+ * attention loop applies scales to whole dot products and weights instead (fp8_factor, the
+ * int8 groups' scale and zero), which costs one multiply per token instead of one per lane. */
+static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int dtype, size_t slot, int i, int d) {
+    const size_t at = slot * d + i;
+    switch (dtype) {
+    case CACHE_F32:
+        return _mm256_loadu_ps((const float *)p->data + at);
+    case CACHE_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->data + at)));
+    case CACHE_BF16: /* bf16 is the high half of an fp32 */
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p->data + at))), 16));
+    case CACHE_FP8_E5M2: {
+        const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at)));
+        return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+    }
+    case CACHE_FP8_E4M3: { /* sign to bit 15, exponent and mantissa to bits 7..14 */
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+        return _mm256_cvtph_ps(h);
+    }
+    default: /* CACHE_INT8 */
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at))));
+    }
+}
+
+/* What fp8 dot products are multiplied by to be in the cache's units (1 for other formats). */
+static inline float fp8_factor(const kv_plane *p, int dtype, int head) {
+    if (dtype == CACHE_FP8_E4M3) return 256.0f * p->fp8_scale[head];
+    if (dtype == CACHE_FP8_E5M2) return p->fp8_scale[head];
+    return 1.0f;
+}
+
+#endif

@@ -1,0 +1,66 @@
+/* The structs the decode steps (llama_decode.c) take from Python, and the constants they share.
+ *
+ * kvlab.nn.c_abi mirrors every struct here field for field with ctypes; abi.c exports their
+ * sizes, field offsets and the constants, and the loader (kvlab.nn.ggml.kernels) refuses a
+ * library whose table disagrees with the mirrors, so a field added on one side only fails
+ * at load time instead of shifting every later field in silence.
+ */
+#ifndef KVLAB_LLAMA_DECODE_H
+#define KVLAB_LLAMA_DECODE_H
+
+#include "ggml_gemv.h"
+
+/* How the cache stores K/V (kvlab.nn.c_abi.CACHE_DTYPES). Row = one token of one KV head. */
+enum {
+    CACHE_F32 = 0,
+    CACHE_F16 = 1,
+    CACHE_BF16 = 2,
+    CACHE_FP8_E4M3 = 3, /* torch.float8_e4m3fn: value = x * fp8_scale[head] */
+    CACHE_FP8_E5M2 = 4, /* torch.float8_e5m2 */
+    CACHE_INT8 = 5,     /* uint8 codes, fp16 scale and zero per group: value = code * scale + zero */
+};
+
+#define CHUNK 128    /* tokens per attention work unit */
+#define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
+
+/* One side (K or V) of one layer's cache. Float and fp8 caches use `data` alone (and fp8 its
+ * per-head scales); int8 caches keep codes in `data` and per-group fp16 scale/zero beside. */
+typedef struct {
+    void *data;              /* [blocks, n_kv_heads, block_size, head_dim] elements (codes for int8) */
+    uint16_t *scale, *zero;  /* int8: [blocks, n_kv_heads, block_size, groups] fp16 bits; else NULL */
+    const float *fp8_scale;  /* fp8: [n_kv_heads] static scales; else NULL */
+} kv_plane;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* [dim] */
+    qstack qkv;                        /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
+    qmatrix o;                         /* [dim, n_heads head_dim] */
+    qstack gate_up;                    /* [2 hidden, dim]: gate rows, then up rows */
+    qmatrix down;                      /* [dim, hidden] */
+    kv_plane k, v;
+} llama_layer;
+
+/* The model and the cache's format; how many rows a step runs and where they sit in the cache
+ * are call arguments, so one struct serves every batch. */
+typedef struct {
+    int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
+    int rope_len;         /* positions the RoPE tables cover */
+    int rope_interleaved; /* 0: channel i pairs with i + head_dim/2; 1: 2i pairs with 2i + 1 */
+    int cache_dtype;      /* CACHE_*; head_dim is a multiple of 8 */
+    int group_size;       /* CACHE_INT8: channels per scale/zero group (a multiple of 8, or >= head_dim) */
+    float eps;
+    const float *rope_cos, *rope_sin; /* [rope_len, head_dim]: full width, sin signed (kvlab.nn.rope) */
+    const llama_layer *layers;
+    const float *final_norm;
+    qmatrix lm_head;
+} llama_model;
+
+/* Scratch memory kept between steps: one block, grown when a step needs more, freed by
+ * kvlab_arena_free. A step at 4,096 tokens needs megabytes of attention partials; malloc and
+ * free of that every token cost page faults on each first touch. */
+typedef struct {
+    void *base;
+    size_t capacity;
+} kvlab_arena;
+
+#endif

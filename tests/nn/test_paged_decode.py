@@ -1,0 +1,301 @@
+"""The C paged decode step (rows at their own positions in the engine's KVPool) against the
+module-by-module path, which stays the reference: the logits, and the K/V it wrote."""
+
+import copy
+import ctypes
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvlab.cache.pool import KVPool
+from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
+from kvlab.cache.step import StepBatch
+from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.model import Decoder
+from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
+from test_fused_decode import GQA, assert_close_to_scale, ggml_model
+
+from needs import require_kernels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_lib():
+    return require_kernels()
+
+
+LONG = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 512, "name": "gqa"})
+CONFIGS = [LONG, LONG.with_kv_heads(1), LONG.with_kv_heads(4),
+           ModelConfig(**{**LONG.to_dict(), "rope_style": "interleaved", "n_layers": 3, "name": "interleaved"})]
+BLOCK = 5
+# Positions of the token each row decodes: block starts (0, 5, 10, 130), last slots of a block
+# (4, 14, 129), both sides of attention's 128-token chunks (127, 128, 255, 256) and one at 317
+# (three chunks, the last partly filled).
+POSITIONS = {1: [317], 3: [10, 317, 4],
+             17: [0, 1, 4, 5, 9, 10, 14, 22, 63, 127, 128, 129, 130, 201, 255, 256, 317]}
+
+
+def layout(positions: list[int], num_blocks: int, seed: int = 0) -> list[list[int]]:
+    """Block tables for rows decoding at `positions`: shuffled, non-contiguous blocks, and some
+    tables a block longer than needed (the engine allocates ahead), so padding is exercised."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, at = [], 0
+    for row, pos in enumerate(positions):
+        need = (pos + 1) // BLOCK + 1 + row % 2  # room for two steps
+        tables.append(order[at:at + need])
+        at += need
+    assert at <= num_blocks
+    return tables
+
+
+def filled_pool(model: Decoder, positions: list[int], kv_cache_dtype: str, group_size=None, **pool_args):
+    """A pool holding each row's first `positions[r]` tokens (written by the module path), the tables, and ids."""
+    need = sum(pos // BLOCK + 3 for pos in positions)
+    if pool_args:
+        pool = KVPool(model.config.n_layers, model.config.kv_heads, model.config.head_size, model.config.head_size,
+                      need + 7, BLOCK, **pool_args)
+    else:
+        pool = KVPool.for_model(model.config, need + 7, BLOCK, kv_cache_dtype, group_size=group_size)
+    tables = layout(positions, pool.num_blocks)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [(row, pos) for row, pos in enumerate(positions) if pos > 0]
+    if prompts:
+        lens = [pos for _, pos in prompts]
+        tokens = torch.randint(0, model.config.vocab_size, (1, sum(lens)), generator=generator)
+        batch = StepBatch.build([0] * len(lens), lens, [tables[row] for row, _ in prompts], BLOCK)
+        with torch.inference_mode():
+            model(tokens, pool, last_only=True, step=batch)
+    ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=generator)
+    return pool, tables, ids
+
+
+def assert_pools_agree(ours: KVPool, reference: KVPool, batches: list[StepBatch]) -> None:
+    """Every slot the decode steps `batches` did not write is untouched (bit for bit); the written
+    ones hold what the module path wrote: as close as the logits for floats, one rounding step
+    for narrow floats, the same int8 codes (or one apart where an input sat on a rounding
+    boundary)."""
+    written = [(slot // BLOCK, slot % BLOCK) for batch in batches for slot in batch.slot_mapping.tolist()]
+    blocks = torch.tensor([b for b, _ in written])
+    offsets = torch.tensor([o for _, o in written])
+    for layer in range(ours.num_layers):
+        for side in ("k", "v"):
+            mine, theirs = getattr(ours, side)[layer], getattr(reference, side)[layer]
+            for name in mine:
+                a, b = mine[name].clone(), theirs[name].clone()
+                new_a, new_b = a[blocks, :, offsets], b[blocks, :, offsets]  # [rows, heads, width]
+                a[blocks, :, offsets] = 0
+                b[blocks, :, offsets] = 0
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), \
+                    f"layer {layer} {side}.{name}: a slot the step did not own changed"
+                assert torch.count_nonzero(new_b.float()) > 0
+                if name == "codes":
+                    gap = (new_a.int() - new_b.int()).abs()
+                    assert gap.max() <= 1 and (gap == 0).float().mean() > 0.95, (layer, side, gap.max())
+                elif name in ("scale", "zero"):  # fp16 range ends of inputs equal to float summation order
+                    torch.testing.assert_close(new_a.float(), new_b.float(), rtol=2e-3, atol=1e-4)
+                else:
+                    wide = new_b.float()
+                    tol = 1e-3 * wide.abs().max().item()
+                    if new_b.dtype.itemsize == 1:  # fp8: within one step of its grid (3 or 2 mantissa bits)
+                        rtol = 2.0 ** -(3 if new_b.dtype == torch.float8_e4m3fn else 2)
+                    else:
+                        rtol = torch.finfo(new_b.dtype).eps
+                    torch.testing.assert_close(new_a.float(), wide, rtol=rtol, atol=tol)
+
+
+def check_steps(model: Decoder, positions: list[int], kv_cache_dtype: str = "auto", steps: int = 2,  # at most 2
+                group_size=None, **pool_args) -> None:
+    """Run `steps` decode steps both ways from one filled pool; compare logits and pools each step."""
+    pool, tables, ids = filled_pool(model, positions, kv_cache_dtype, group_size, **pool_args)
+    reference = copy.deepcopy(pool)
+    step = PagedDecodeStep(model, pool, max_rows=len(positions))
+    batches = []
+    for index in range(steps):
+        batch = StepBatch.build([p + index for p in positions], [1] * len(positions), tables, BLOCK)
+        batches.append(batch)
+        with torch.inference_mode():
+            expected = model(ids[None], reference, last_only=True, step=batch)[0]
+        got = step(ids, batch)
+        assert got.shape == expected.shape == (len(positions), model.config.vocab_size)
+        assert_close_to_scale(got, expected)
+        assert_pools_agree(pool, reference, batches)
+        ids = expected.argmax(-1)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_paged_steps_equal_module_steps(config, rows):
+    check_steps(ggml_model(config), POSITIONS[rows])
+
+
+@pytest.mark.parametrize("kv_cache_dtype,group_size", [("fp16", None), ("bf16", None), ("fp8_e4m3", None),
+                                                       ("fp8_e5m2", None), ("int8", None), ("int8", 8)],
+                         ids=["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8-g8"])
+def test_narrow_pools_equal_module_steps(kv_cache_dtype, group_size):
+    """fp8 and int8 are dequantised inside C's attention loop; int8-g8 has two groups per head."""
+    check_steps(ggml_model(LONG), POSITIONS[3], kv_cache_dtype, group_size=group_size)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scales_per_tensor_and_per_head(name):
+    from kvlab.plan.kv_formats import resolve_kv_format
+
+    fmt = resolve_kv_format(name, "fp32", None)
+    check_steps(ggml_model(LONG), POSITIONS[3], fmt=fmt, k_scale=0.05, v_scale=[0.5, 0.02])
+
+
+# Shapes that take the attention kernel's other paths: 64-channel heads (SmolLM2's; value
+# passes of 32 channels, three query heads a pack), and groups of 8 and 6 query heads per KV
+# head, which go in packs of four and the rest.
+WIDE = ModelConfig(**{**LONG.to_dict(), "dim": 192, "n_heads": 3, "n_kv_heads": 1, "name": "wide-d64"})
+PACKS = [WIDE, ModelConfig(**{**LONG.to_dict(), "n_heads": 8, "n_kv_heads": 1, "name": "group8-d8"}),
+         ModelConfig(**{**LONG.to_dict(), "dim": 96, "n_heads": 6, "n_kv_heads": 1, "name": "group6-d16"})]
+
+
+@pytest.mark.parametrize("config", PACKS, ids=lambda c: c.name)
+@pytest.mark.parametrize("kv_cache_dtype,group_size", [("auto", None), ("fp8_e4m3", None), ("int8", None),
+                                                       ("int8", 16)], ids=["fp32", "fp8_e4m3", "int8", "int8-g16"])
+def test_head_shapes_and_query_packs(config, kv_cache_dtype, group_size):
+    check_steps(ggml_model(config), POSITIONS[3], kv_cache_dtype, group_size=group_size, steps=1)
+
+
+def test_seventeen_rows_in_an_int8_pool():
+    check_steps(ggml_model(LONG.with_kv_heads(1)), POSITIONS[17], "int8", steps=1)
+
+
+def test_the_module_path_reads_what_the_c_step_wrote():
+    """The engine may switch paths at any step (a prompt chunk runs module by module)."""
+    model = ggml_model(LONG)
+    positions = POSITIONS[3]
+    pool, tables, ids = filled_pool(model, positions, "int8")
+    reference = copy.deepcopy(pool)
+    first = StepBatch.build(positions, [1] * 3, tables, BLOCK)
+    PagedDecodeStep(model, pool, 3)(ids, first)
+    with torch.inference_mode():
+        model(ids[None], reference, last_only=True, step=first)
+        second = StepBatch.build([p + 1 for p in positions], [1] * 3, tables, BLOCK)
+        expected = model(ids[None], reference, last_only=True, step=second)[0]
+        got = model(ids[None], pool, last_only=True, step=second)[0]
+    assert_close_to_scale(got, expected)
+
+
+def test_a_bad_block_or_batch_is_refused_not_overrun():
+    model = ggml_model(LONG)
+    pool, tables, ids = filled_pool(model, [3, 7], "auto")
+    step = PagedDecodeStep(model, pool, max_rows=2)
+    before = [t.clone() for t in pool.tensors()]
+    bad = StepBatch.build([3, 7], [1, 1], [tables[0], [pool.num_blocks] + tables[1][1:]], BLOCK)
+    with pytest.raises(ValueError, match="outside the model or pool"):
+        step(ids, bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.tensors()))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        step(torch.tensor([1, 2, 3]), StepBatch.build([3, 7], [2, 1], tables, BLOCK))
+    with pytest.raises(ValueError, match="at most 1"):
+        PagedDecodeStep(model, pool, max_rows=1)(ids, StepBatch.build([3, 7], [1, 1], tables, BLOCK))
+
+
+@pytest.mark.parametrize("change,reason", [
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int4")), "not int4"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int2")), "not int2"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int8", group_size=12)), "multiple of 8"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "fp16", torch.float16)), "fp32 values"),
+    (lambda model: (model, KVPool.for_model(LONG.with_kv_heads(1), 8, BLOCK)), "KV heads and head dim"),
+    (lambda model: (model, model.new_cache(1, 8)), "KVPool"),
+    (lambda model: (Decoder(LONG), KVPool.for_model(LONG, 8, BLOCK)), "held as GGUF blocks"),
+])
+def test_what_cannot_run_in_c_says_why(change, reason):
+    model, pool = change(ggml_model(LONG))
+    assert reason in why_not_paged(model, pool)
+    assert paged_step_for(model, pool, 4) is None
+    with pytest.raises(ValueError, match="cannot run the paged decode step"):
+        PagedDecodeStep(model, pool, 4)
+
+
+def test_paged_step_for_builds_the_step_where_it_applies():
+    model = ggml_model(LONG)
+    assert isinstance(paged_step_for(model, KVPool.for_model(LONG, 8, BLOCK, "fp8"), 4), PagedDecodeStep)
+
+
+@pytest.mark.parametrize("name", sorted(FP8_DTYPES))
+def test_fp8_stores_round_as_torch_does(kernels_lib, name):
+    """Every midpoint between neighbouring fp8 values (where rounding to even decides), the
+    values beside them, saturation, subnormals, zeros and random values: byte for byte."""
+    dtype = FP8_DTYPES[name]
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mids, torch.nextafter(mids, torch.tensor(float("inf"))),
+                   torch.nextafter(mids, torch.tensor(-float("inf"))), torch.tensor([0.0, -0.0, 1e9, -1e9, 1e-30]),
+                   torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 30])
+    ours = torch.empty(x.numel(), dtype=torch.uint8)
+    kernels_lib.kvlab_fp8_encode(int(dtype == torch.float8_e4m3fn), x.data_ptr(), ours.data_ptr(), x.numel())
+    assert torch.equal(ours, fp8_quantize(x, dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dim,group", [(16, 64), (64, 64), (64, 8), (24, 16), (128, 32)])
+def test_int8_stores_are_quantize_groups_byte_for_byte(kernels_lib, dim, group):
+    generator = torch.Generator().manual_seed(dim + group)
+    x = torch.randn(3000, dim, generator=generator) * torch.rand(3000, 1, generator=generator) * 8
+    x[::7, :] = x[::7, :1]  # constant rows: scale 0
+    x[1::7] = torch.round(x[1::7] * 2) / 2  # values on exact halves of a step, where rounding to even decides
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    groups = -(-dim // group)
+    scale, zero = torch.empty(3000, groups, dtype=torch.float16), torch.empty(3000, groups, dtype=torch.float16)
+    kernels_lib.kvlab_int8_quantize(x.data_ptr(), 3000, dim, group, codes.data_ptr(), scale.data_ptr(),
+                                    zero.data_ptr())
+    want_codes, want_scale, want_zero = quantize_groups(x, 8, group)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scale.view(torch.int16), want_scale.view(torch.int16))
+    # zero points as values: a group whose minimum is 0 may store either sign of it (torch's
+    # vectorised min picks either one), which dequantises alike
+    assert torch.equal(zero, want_zero)
+
+
+def test_the_library_matches_its_ctypes_mirrors(kernels_lib):
+    table = abi_table(kernels_lib)
+    assert abi_mismatches(table) == []
+    assert table["llama_model"] == ctypes.sizeof(LlamaModel) and table["CACHE_INT8"] == 5
+
+
+def test_a_drifted_mirror_is_named():
+    class Shifted(ctypes.Structure):  # kv_plane without its fp8 scales: later llama_layer fields would shift
+        _fields_ = KVPlane._fields_[:-1]
+
+    class Swapped(ctypes.Structure):
+        _fields_ = [LlamaModel._fields_[1], LlamaModel._fields_[0], *LlamaModel._fields_[2:]]
+
+    table = abi_table(require_kernels())
+    problems = abi_mismatches(table, {**MIRRORS, "kv_plane": Shifted, "llama_model": Swapped})
+    assert any("sizeof(kv_plane)" in p for p in problems)
+    assert any("kv_plane.fp8_scale is in C but missing" in p for p in problems)
+    assert any("offsetof(llama_model, n_layers)" in p for p in problems)
+    assert any("constant CHUNK is 128 in C, 64 in Python" in p
+               for p in abi_mismatches(table, constants={**CONSTANTS, "CHUNK": 64}))
+    assert any("no Python mirror" in p for p in abi_mismatches(table, {k: v for k, v in MIRRORS.items()
+                                                                       if k != "qstack"}))
+
+
+def test_loading_a_library_whose_mirror_drifted_fails_loudly():
+    """The loader itself refuses: a fresh interpreter with one ctypes mirror changed."""
+    script = textwrap.dedent("""
+        import ctypes
+        import kvlab.nn.c_abi as abi
+
+        class Short(ctypes.Structure):
+            _fields_ = abi.LlamaModel._fields_[:-1]
+
+        abi.MIRRORS["llama_model"] = Short
+        from kvlab.nn.ggml import KernelBuildError, kernels
+        try:
+            kernels()
+        except KernelBuildError as error:
+            print("refused:", error)
+        else:
+            print("loaded")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "refused:" in out.stdout, out.stdout + out.stderr
+    assert "llama_model.lm_head is in C but missing from Short" in out.stdout
