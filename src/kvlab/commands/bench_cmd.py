@@ -52,12 +52,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvlab bench: error: --input-len + --output-len exceeds the model length "
                          f"{engine.max_model_len}")
     run_engine(engine, prompts[:1], 4)  # warm-up: kernels built, pages touched
-    bar = progress_bar(args.num_prompts, "requests", unit="req")
+    bar = progress_bar(args.num_prompts, "requests", unit="req", enabled=sys.stderr.isatty())
     result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
               "max_num_seqs": args.max_num_seqs, "capacity_lines": engine.capacity_lines,
               "batched": run_engine(engine, prompts, args.output_len, progress=bar)}
-    bar.close()
+    if bar is not None:
+        bar.close()
     if args.baselines:
         result["engine_one_at_a_time"] = run_engine(engine, prompts[:2], args.output_len, concurrency=1)
         result["generate_batch_1"] = run_generate(engine.model, prompts[0], args.output_len)
