@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlab.nn.generate import generate
-from needs import require_kernels
+from needs import require_kernels, require_module
 
 PROMPT = "The capital of France is"
 
