@@ -32,7 +32,7 @@ NUMBER = r"\d[\d,]*(?:\.\d+)?"
 TIMED = re.compile(rf"{NUMBER}(?=\s*(?:ms\b|s\b|tok/s|tokens/s|GB/s|%))")
 # table rows whose every number is a timing, or depends on this machine's bandwidth
 TIMED_ROWS = ("prefill tokens/s", "decode tokens/s", "fraction of bandwidth roofline", "bandwidth GB/s",
-              "Throughput:", "Engine one request", "Ratios:", "requests:")
+              "Throughput:", "Engine one request", "Ratios:", "requests:", "llama.cpp batched")
 STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 SOURCE = re.compile(r"^\(?/\S*bandwidth\.json\)*$")  # the bandwidth file's path, when rich wraps it alone
 

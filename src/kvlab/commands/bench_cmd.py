@@ -8,6 +8,7 @@ import sys
 
 from kvlab.commands.args import positive_int
 from kvlab.commands.engine_args import add_engine_arguments
+from kvlab.plan.errors import PlanError
 
 THROUGHPUT_HELP = "N random prompts through the engine at once: request and token throughput"
 
@@ -26,6 +27,8 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     work.add_argument("--baselines", action="store_true",
                       help="also run, in the same process: the engine one request at a time, and plain "
                            "`kvlab generate` on one prompt (the ratios' denominators)")
+    work.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                      help="skip llama.cpp's batched decode on the same GGUF (run when llama-cpp-python is installed)")
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
     from kvlab.commands import bench_serve_cmd
@@ -35,6 +38,7 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
 def run_throughput(args: argparse.Namespace) -> int:
     from kvlab.bench.provenance import provenance
     from kvlab.bench.throughput import random_prompts, run_engine, run_generate
+    from kvlab.checkpoints.resolve import resolve_model_path
     from kvlab.commands.engine_args import engine_from_args
     from kvlab.train.progress import progress_bar
 
@@ -49,8 +53,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, engine.model.config.vocab_size, args.dataset_seed,
                              special)
     if args.input_len + args.output_len > engine.max_model_len:
-        raise SystemExit(f"kvlab bench: error: --input-len + --output-len exceeds the model length "
-                         f"{engine.max_model_len}")
+        raise PlanError(f"--input-len + --output-len exceeds the model length {engine.max_model_len}")
     run_engine(engine, prompts[:1], 4)  # warm-up: kernels built, pages touched
     bar = progress_bar(args.num_prompts, "requests", unit="req", enabled=sys.stderr.isatty())
     result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
@@ -65,6 +68,19 @@ def run_throughput(args: argparse.Namespace) -> int:
         one = result["engine_one_at_a_time"]["output_tokens_per_s"]
         result["ratio_batched_vs_engine_batch_1"] = result["batched"]["output_tokens_per_s"] / one
         result["ratio_engine_batch_1_vs_generate"] = one / result["generate_batch_1"]["output_tokens_per_s"]
+    path = resolve_model_path(args.model)
+    if args.llama_cpp and path.endswith(".gguf"):
+        import torch
+
+        from kvlab.bench.llama_cpp_batch import run_llama_cpp
+        theirs = run_llama_cpp(path, prompts, args.output_len, args.threads or torch.get_num_threads())
+        if theirs is None:
+            print("kvlab bench: llama-cpp-python is not installed (pip install llama-cpp-python); "
+                  "llama.cpp's batched decode skipped", file=sys.stderr)
+        else:
+            result["llama_cpp_batched"] = {k: v for k, v in theirs.items() if k != "outputs"}
+            result["ratio_batched_vs_llama_cpp"] = result["batched"]["output_tokens_per_s"] / \
+                theirs["output_tokens_per_s"]
     result["provenance"] = provenance(args.threads)
     b = result["batched"]
     print(f"Throughput: {b['requests_per_s']:.2f} requests/s, {b['total_tokens_per_s']:.1f} total tokens/s, "
@@ -75,6 +91,10 @@ def run_throughput(args: argparse.Namespace) -> int:
               f"tokens/s; kvlab generate (batch 1): {result['generate_batch_1']['output_tokens_per_s']:.1f}")
         print(f"Ratios: batched / engine batch 1 = {result['ratio_batched_vs_engine_batch_1']:.2f}x; "
               f"engine batch 1 / generate = {result['ratio_engine_batch_1_vs_generate']:.2f}x")
+    if "llama_cpp_batched" in result:
+        print(f"llama.cpp batched decode (llama_batch, one sequence id per request): "
+              f"{result['llama_cpp_batched']['output_tokens_per_s']:.1f} output tokens/s; kvlab / llama.cpp = "
+              f"{result['ratio_batched_vs_llama_cpp']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
