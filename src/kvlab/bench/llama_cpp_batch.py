@@ -10,8 +10,25 @@ is an optional extra (`pip install llama-cpp-python`, a source build of several 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
-from typing import Optional
+from typing import Iterator, Optional
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the C library's own writes to file descriptor 2 for a moment."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads: int) -> Optional[dict]:
@@ -23,7 +40,8 @@ def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads:
     import numpy as np
 
     llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+    with _quiet_stderr():  # llama.cpp logs every tensor and buffer while loading
+        model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     n, longest = len(prompts), max(len(p) for p in prompts)
@@ -32,7 +50,8 @@ def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads:
     params.n_batch = params.n_ubatch = 512
     params.n_seq_max = n
     params.n_threads = params.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(model, params)
+    with _quiet_stderr():
+        ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
     vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
@@ -69,9 +88,10 @@ def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads:
                 outputs[s].append(next_ids[s])
         elapsed = time.perf_counter() - started
     finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+        with _quiet_stderr():
+            llama_cpp.llama_batch_free(batch)
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
     tokens = n * output_len
     return {"num_requests": n, "elapsed_s": elapsed, "prefill_s": prefill, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed, "outputs": outputs,
