@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine_helpers import PROMPTS, assert_pool_free, collect, greedy, make_engine, reference, run_all
+from engine_helpers import PROMPTS, assert_pool_free, greedy, make_engine, reference, run_all
 from kvlab.engine import SamplingParams
 from kvlab.engine.errors import RequestError
 

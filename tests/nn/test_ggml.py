@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, Planes, kernels, stack_planes
+from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, Planes, stack_planes
 
 from needs import require_kernels
 

@@ -1,7 +1,6 @@
 """GGUF header loader: the real stories260K and SmolLM2 files, small written GGUFs, and broken files."""
 
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -1,6 +1,5 @@
 """The chart page: its numbers are the planner's, before and after a control moves (headless Chromium)."""
 
-import shutil
 
 import pytest
 

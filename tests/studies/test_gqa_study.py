@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli import main
-from kvlab.studies import gqa, gqa_measure
+from kvlab.studies import gqa_measure
 from kvlab.studies.gqa_config import PRESETS, variants
 from kvlab.studies.store import read_json
 from needs import SHAKESPEARE, require_file

@@ -284,10 +284,6 @@ class LLMEngine:
         for callback in self.on_finish:
             callback(seq)
 
-    def text_of(self, request_id: str) -> Optional[str]:
-        entry = self.requests.get(request_id)
-        return entry[1].text if entry and entry[1] is not None else None
-
     @torch.inference_mode()
     def run_until_done(self, max_steps: Optional[int] = None) -> list[StepDelta]:
         """Step until no request is left (tests and the offline API); returns every delta."""

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
