@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvlab.cli import main
 from needs import STORIES, require_file
 
@@ -15,11 +17,11 @@ def test_throughput_json_counts_and_baselines(tmp_path, capsys):
     result = json.loads(out.read_text())
     batched = result["batched"]
     assert batched["num_requests"] == 5 and batched["output_tokens"] == 5 * 9  # ignore_eos: exactly 9 each
-    assert batched["total_tokens_per_s"] == batched["output_tokens_per_s"] * (5 * 9 + 5 * 12) / (5 * 9)
+    assert batched["total_tokens_per_s"] == pytest.approx(batched["output_tokens_per_s"] * (5 * 9 + 5 * 12) / (5 * 9), rel=1e-12)
     assert result["engine_one_at_a_time"]["output_tokens"] == 2 * 9
     assert result["generate_batch_1"]["output_tokens"] == 9
-    assert result["ratio_batched_vs_engine_batch_1"] == \
-        batched["output_tokens_per_s"] / result["engine_one_at_a_time"]["output_tokens_per_s"]
+    assert result["ratio_batched_vs_engine_batch_1"] == pytest.approx(
+        batched["output_tokens_per_s"] / result["engine_one_at_a_time"]["output_tokens_per_s"], rel=1e-12)
     assert result["capacity_lines"][1].startswith("CPU KV cache size:")
     assert result["provenance"]["git_commit"] is not None
     if "llama_cpp_batched" in result:  # only where llama-cpp-python is installed
