@@ -1,0 +1,74 @@
+"""A fleet of identical replicas behind a router, simulated request by request on one virtual clock.
+
+Before each arrival every replica runs the steps that start before it (so the router sees each
+replica's state at that instant); then the router places the request: `round-robin`, or
+`least-loaded` (fewest requests running plus waiting, lowest index on ties). Afterwards every
+replica drains. `engine` replicas run kvlab.engine's Scheduler and BlockManager; `fast`
+replicas run the same policy with aggregated decoders (kvlab.fleet.replica_fast).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from kvlab.fleet.errors import FleetError
+from kvlab.fleet.outcomes import Outcomes
+from kvlab.fleet.replica_engine import EngineReplica
+from kvlab.fleet.replica_fast import FastReplica
+from kvlab.fleet.service import ReplicaSpec
+from kvlab.fleet.workload import Requests
+
+ROUTERS = ("round-robin", "least-loaded")
+SIMULATORS = ("engine", "fast", "auto")
+AUTO_ENGINE_LIMIT = 20_000  # requests: up to here `auto` runs the engine's own scheduler
+
+
+@dataclass
+class FleetRun:
+    requests: Requests
+    outcomes: Outcomes
+    replicas: int
+    simulator: str
+    router: str
+    wall_seconds: float
+    peak_blocks_used: list[int]
+
+
+def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: str = "round-robin",
+             simulator: str = "auto", sample_every: Optional[float] = None,
+             progress: Optional[Callable[[int], None]] = None) -> FleetRun:
+    """Run `requests` through `replicas` copies of `spec`; the outcome arrays say what happened to each."""
+    if router not in ROUTERS:
+        raise FleetError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if simulator not in SIMULATORS:
+        raise FleetError(f"--simulator must be one of {', '.join(SIMULATORS)}, got {simulator!r}")
+    if replicas < 1:
+        raise FleetError(f"a fleet needs at least one replica, got {replicas}")
+    if simulator == "auto":
+        simulator = "engine" if len(requests) <= AUTO_ENGINE_LIMIT else "fast"
+    if simulator == "fast" and spec.max_num_seqs > spec.max_num_batched_tokens:
+        raise FleetError("the fast simulator needs --max-num-seqs <= --max-num-batched-tokens; use --simulator engine")
+    out = Outcomes.empty(len(requests))
+    kind = EngineReplica if simulator == "engine" else FastReplica
+    fleet = [kind(spec, requests, out, r, sample_every) for r in range(replicas)]
+    started = time.perf_counter()
+    arrivals = requests.arrival.tolist()
+    every = max(1, len(arrivals) // 200)
+    for i, t in enumerate(arrivals):
+        for replica in fleet:
+            replica.advance_until(t)
+        if router == "round-robin" or replicas == 1:
+            target = fleet[i % replicas]
+        else:
+            target = min(fleet, key=lambda r: r.load)
+        target.add(i, t)
+        if progress is not None and i % every == 0:
+            progress(i)
+    for replica in fleet:
+        replica.drain()
+    if progress is not None:
+        progress(len(arrivals))
+    return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
+                    [r.peak_blocks_used for r in fleet])
