@@ -22,7 +22,7 @@ from kvlab.fleet.workload import Requests
 
 ROUTERS = ("round-robin", "least-loaded")
 SIMULATORS = ("engine", "fast", "auto")
-AUTO_ENGINE_LIMIT = 20_000  # requests: up to here `auto` runs the engine's own scheduler
+AUTO_ENGINE_TOKENS = 2_000_000  # prompt + output tokens: up to here `auto` runs the engine's own scheduler
 
 
 @dataclass
@@ -34,11 +34,12 @@ class FleetRun:
     router: str
     wall_seconds: float
     peak_blocks_used: list[int]
+    aborted: bool = False  # stopped early: the queue outgrew `abort_waiting` (a fleet too small to matter)
 
 
 def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: str = "round-robin",
              simulator: str = "auto", sample_every: Optional[float] = None,
-             progress: Optional[Callable[[int], None]] = None) -> FleetRun:
+             progress: Optional[Callable[[int], None]] = None, abort_waiting: Optional[int] = None) -> FleetRun:
     """Run `requests` through `replicas` copies of `spec`; the outcome arrays say what happened to each."""
     if router not in ROUTERS:
         raise FleetError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
@@ -47,7 +48,8 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
     if replicas < 1:
         raise FleetError(f"a fleet needs at least one replica, got {replicas}")
     if simulator == "auto":
-        simulator = "engine" if len(requests) <= AUTO_ENGINE_LIMIT else "fast"
+        total = int(requests.prompt_len.sum() + requests.output_len.sum())
+        simulator = "engine" if total <= AUTO_ENGINE_TOKENS else "fast"
     if simulator == "fast" and spec.max_num_seqs > spec.max_num_batched_tokens:
         raise FleetError("the fast simulator needs --max-num-seqs <= --max-num-batched-tokens; use --simulator engine")
     out = Outcomes.empty(len(requests))
@@ -57,15 +59,21 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
     arrivals = requests.arrival.tolist()
     every = max(1, len(arrivals) // 200)
     for i, t in enumerate(arrivals):
-        for replica in fleet:
-            replica.advance_until(t)
-        if router == "round-robin" or replicas == 1:
+        if router == "round-robin" or replicas == 1:  # replicas are independent: only the chosen one must catch up
             target = fleet[i % replicas]
+            target.advance_until(t)
         else:
+            for replica in fleet:
+                replica.advance_until(t)
             target = min(fleet, key=lambda r: r.load)
         target.add(i, t)
-        if progress is not None and i % every == 0:
-            progress(i)
+        if i % every == 0:
+            if progress is not None:
+                progress(i)
+            if abort_waiting is not None and sum(len(r.waiting) if simulator == "fast" else len(r.scheduler.waiting)
+                                                 for r in fleet) > abort_waiting:
+                return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
+                                [r.peak_blocks_used for r in fleet], aborted=True)
     for replica in fleet:
         replica.drain()
     if progress is not None:

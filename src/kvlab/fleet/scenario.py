@@ -1,0 +1,182 @@
+"""A `kvlab fleet` run from its flags: the workload, the replica, the fleet size, the sweep, the figures."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+from kvlab.fleet.errors import FleetError
+from kvlab.fleet.fleet import simulate
+from kvlab.fleet.results import summarise
+from kvlab.fleet.service import ReplicaSpec, load_calibration, replica_from_plan
+from kvlab.fleet.sizing import smallest_fleet
+from kvlab.fleet.step_cost import EFFICIENCY_SOURCES
+from kvlab.fleet.workload import LengthDist, Requests, Workload, draw
+from kvlab.plan.errors import PlanError
+from kvlab.plan.planner import PlanRequest
+from kvlab.plan.spec import ModelSpec
+
+TIMELINE_POINTS = 600
+
+
+@dataclass
+class Scenario:
+    spec: ModelSpec
+    workload: Workload
+    replica: ReplicaSpec
+    replicas: int = 1
+    router: str = "least-loaded"
+    simulator: str = "auto"
+    slo: Optional[dict] = None
+    find_min_cards: bool = False
+    price_per_card_hour: Optional[float] = None
+    price_per_mtok: Optional[float] = None
+    sweep_rates: list[float] = field(default_factory=list)
+    card_name: Optional[str] = None
+    calibration: Optional[dict] = None
+    tp_options: list[ReplicaSpec] = field(default_factory=list)  # replicas of 1x, 2x, 4x.. the weights' cards
+
+    def _requests(self, rate: Optional[float] = None) -> Requests:
+        workload = self.workload
+        if rate is not None and workload.trace is None:
+            duration = workload.num_requests / workload.rate
+            workload = replace(workload, rate=rate, num_requests=max(1, round(duration * rate)))
+        return draw(workload)
+
+    def _summary(self, requests: Requests, replicas: int, timeline: bool = False, sizing: bool = False,
+                 replica: Optional[ReplicaSpec] = None) -> dict:
+        replica = replica or self.replica
+        span = float(requests.arrival[-1]) if len(requests) else 1.0
+        abort = None
+        if sizing and self.slo and "ttft" in self.slo:  # a queue holding 4x the SLO's worth of arrivals cannot meet it
+            abort = int(4 * self.slo["ttft"] / 1000 * len(requests) / max(span, 1e-9)) + replicas * replica.max_num_seqs
+        run = simulate(replica, requests, replicas, self.router, self.simulator,
+                       sample_every=max(span, 1e-3) / TIMELINE_POINTS * replicas if timeline else None,
+                       abort_waiting=abort)
+        summary = summarise(run, replica.cards, self.slo, self.price_per_card_hour, self.price_per_mtok)
+        if timeline:
+            summary["timeline"] = [list(row) for row in run.outcomes.timeline]
+        return summary
+
+    def _size(self, requests: Requests) -> tuple[int, list[dict]]:
+        """Replicas of self.replica for the SLO; with tp_options, the tensor-parallel degree too (fewest cards)."""
+        if not self.find_min_cards:
+            return self.replicas, []
+        if not self.slo:
+            raise FleetError("--find-min-cards needs --slo, e.g. --slo ttft:2000 tpot:50")
+        best = None
+        trials_all = []
+        for replica in self.tp_options or [self.replica]:
+            def meets_with(n: int, replica=replica):
+                summary = self._summary(requests, n, sizing=True, replica=replica)
+                return summary["meets_slo"], summary
+            try:
+                n, _, trials = smallest_fleet(meets_with)
+            except FleetError:
+                continue
+            trials_all += [dict(t, cards_per_replica=replica.cards) for t in trials]
+            if best is None or n * replica.cards < best[0] * best[1].cards:
+                best = (n, replica)
+        if best is None:
+            raise FleetError("no fleet of up to 4096 replicas meets the SLO (is one request alone over it?)")
+        self.replica = best[1]
+        return best[0], trials_all
+
+    def run(self, progress: bool = False) -> dict:
+        requests = self._requests()
+        replicas, trials = self._size(requests)
+        main = self._summary(requests, replicas, timeline=True)
+        result = {"model": self.spec.name, "card": self.card_name, "workload": self.workload.describe(),
+                  "replica": self.replica.describe(), "result": main,
+                  "cards_for_weights": (self.tp_options[0] if self.tp_options else self.replica).cards}
+        if self.calibration is None:
+            result["efficiency_sources"] = EFFICIENCY_SOURCES
+        else:
+            result["calibration"] = {k: self.calibration.get(k) for k in ("model", "fit", "fit_quality", "engine")}
+        if trials:
+            result["min_cards"] = {"replicas": replicas, "cards": replicas * self.replica.cards, "trials": trials}
+        rows = []
+        for rate in self.sweep_rates:
+            reqs = self._requests(rate)
+            n, _ = self._size(reqs)
+            summary = self._summary(reqs, n)
+            row = {"rate": rate, "replicas": n, "ttft_ms": summary["ttft_ms"], "tpot_ms": summary["tpot_ms"],
+                   "e2el_ms": summary["e2el_ms"], "request_throughput": summary["request_throughput"]}
+            if self.find_min_cards:
+                row["cards_needed"] = n * self.replica.cards
+            if "cost" in summary:
+                row["dedicated_per_mtok"] = summary["cost"]["dedicated_per_mtok"]
+            rows.append(row)
+        if rows:
+            result["sweep"] = rows
+        return result
+
+    def figures(self, result: dict, directory: str) -> list[str]:
+        from kvlab.fleet.figures import kv_timeline, latency_vs_rate
+        out = Path(directory)
+        name = self.spec.name.replace(" ", "_").replace("/", "_")
+        made = [kv_timeline(result["result"].get("timeline", []), out / f"{name}-kv-usage.png",
+                            f"{self.spec.name}: KV pool over time ({result['result']['replicas']} replicas)")]
+        if result.get("sweep"):
+            made.append(latency_vs_rate(result["sweep"], out / f"{name}-latency-vs-rate.png",
+                                        f"{self.spec.name} on {self.card_name or 'calibrated engine'}", self.slo))
+        return made
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    from kvlab.commands.plan_args import device_from_args, model_from_args
+    spec = model_from_args(args)
+    prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+    num = args.num_requests or max(1, math.ceil(args.duration * args.rate))
+    workload = Workload(args.rate, num, prompt, output, args.burstiness, args.prefix_fraction, args.prefix_len,
+                        args.num_prefixes, args.seed, args.trace)
+    requests = draw(workload)
+    longest = int((requests.prompt_len + requests.output_len).max())
+    max_model_len = args.max_model_len or max(longest, min(spec.max_context or longest, 2048))
+    calibration = None
+    tp_options: list[ReplicaSpec] = []
+    card = device_from_args(args)
+    if args.calibration:
+        cost, calibration = load_calibration(args.calibration)
+        engine = calibration.get("engine", {})
+        replica = ReplicaSpec(1, int(engine["num_blocks"]), int(engine["block_size"]),
+                              args.max_num_seqs or int(engine["max_num_seqs"]),
+                              args.max_num_batched_tokens or int(engine["max_num_batched_tokens"]),
+                              args.max_model_len or int(engine["max_model_len"]), cost, args.prefix_caching,
+                              notes=[f"calibrated on this machine: {args.calibration}"])
+        if card is not None:
+            raise FleetError("give --calibration or --gpu, not both (a calibration is of the machine it ran on)")
+    else:
+        if card is None and args.kv_cache_memory is None:
+            raise FleetError("give --gpu CARD (or --calibration FILE from `kvlab fleet calibrate`)")
+        request = PlanRequest(context=max_model_len, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype,
+                              weight_dtype=args.weight_dtype, kv_cache_memory=args.kv_cache_memory, device=card,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+        overhead = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
+        def build(tp):
+            return replica_from_plan(spec, request, max_model_len=max_model_len, block_size=args.block_size,
+                                     max_num_seqs=args.max_num_seqs or 256,
+                                     max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel=tp,
+                                     bandwidth_efficiency=args.bandwidth_efficiency,
+                                     compute_efficiency=args.compute_efficiency, step_overhead_s=overhead,
+                                     enable_prefix_caching=args.prefix_caching)
+        replica = build(args.tensor_parallel_size)
+        if args.find_min_cards and args.tensor_parallel_size is None and card is not None:
+            tp_options = [replica]
+            while tp_options[-1].cards * 2 <= 8:
+                try:
+                    tp_options.append(build(tp_options[-1].cards * 2))
+                except (FleetError, PlanError):
+                    break
+    try:
+        rates = [float(r) for r in args.sweep_rates or []]
+    except ValueError:
+        raise FleetError(f"--sweep-rates takes numbers, got {','.join(args.sweep_rates)}") from None
+    slo = dict(args.slo) if args.slo else None
+    return Scenario(spec, workload, replica, args.replicas, args.router, args.simulator, slo, args.find_min_cards,
+                    args.price_per_card_hour, args.price_per_mtok, rates, card.name if card else None, calibration,
+                    tp_options)
