@@ -6,6 +6,8 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 from typing import Optional
 
 from kvlab.fleet.errors import FleetError
@@ -61,6 +63,12 @@ class Scenario:
             summary["timeline"] = [list(row) for row in run.outcomes.timeline]
         return summary
 
+    def saturated(self, replica: ReplicaSpec) -> float:
+        """Requests/s one replica completes when always full: a burst of 4 x its seats from this workload."""
+        burst = self._requests().head(4 * replica.max_num_seqs)
+        burst = replace(burst, arrival=np.zeros(len(burst)))
+        return max(summarise(simulate(replica, burst, 1, simulator=self.simulator), 1)["request_throughput"], 1e-9)
+
     def _size(self, requests: Requests) -> tuple[int, list[dict]]:
         """Replicas of self.replica for the SLO; with tp_options, the tensor-parallel degree too (fewest cards)."""
         if not self.find_min_cards:
@@ -70,11 +78,12 @@ class Scenario:
         best = None
         trials_all = []
         for replica in self.tp_options or [self.replica]:
+            start = max(1, int(len(requests) / max(float(requests.arrival[-1]), 1e-9) / self.saturated(replica)))
             def meets_with(n: int, replica=replica):
                 summary = self._summary(requests, n, sizing=True, replica=replica)
                 return summary["meets_slo"], summary
             try:
-                n, _, trials = smallest_fleet(meets_with)
+                n, _, trials = smallest_fleet(meets_with, start)
             except FleetError:
                 continue
             trials_all += [dict(t, cards_per_replica=replica.cards) for t in trials]

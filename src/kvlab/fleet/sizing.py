@@ -15,7 +15,11 @@ MAX_REPLICAS = 4096
 
 
 def smallest_fleet(meets_with: Callable[[int], tuple[bool, dict]], start: int = 1) -> tuple[int, dict, list[dict]]:
-    """(replicas, that run's summary, every trial) for the fewest replicas where `meets_with(n)[0]`."""
+    """(replicas, that run's summary, every trial) for the fewest replicas where `meets_with(n)[0]`.
+
+    `start` is a count known to be too small or just enough (rate / one replica's saturated
+    throughput, rounded down): fewer replicas than that are overloaded and are not tried.
+    """
     trials: list[dict] = []
     cache: dict[int, tuple[bool, dict]] = {}
 
@@ -26,7 +30,7 @@ def smallest_fleet(meets_with: Callable[[int], tuple[bool, dict]], start: int = 
                            "p95_tpot_ms": cache[n][1]["tpot_ms"]["p95"]})
         return cache[n][0]
 
-    low, high = 0, max(1, start)
+    low, high = max(1, start) - 1, max(1, start)
     while not trial(high):
         low, high = high, high * 2
         if high > MAX_REPLICAS:

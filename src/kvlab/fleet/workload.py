@@ -36,7 +36,7 @@ class LengthDist:
         parts = str(text).strip().lower().split(":")
         try:
             if len(parts) == 1:
-                return cls("fixed", int(parts[0]))
+                parts = ["fixed"] + parts
             kind, mean = parts[0], int(parts[1])
             spread = float(parts[2]) if len(parts) > 2 else (0.0 if kind == "fixed" else 0.5)
         except ValueError:

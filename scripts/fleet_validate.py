@@ -1,0 +1,167 @@
+"""Validate `kvlab fleet` against the real engine here: `kvlab bench serve` on `kvlab serve` versus the simulator.
+
+For each workload (low, medium, saturating load of SmolLM2-135M) a fresh `kvlab serve` is started
+with the calibration's engine settings, `kvlab bench serve` sends vLLM's random dataset at the
+given Poisson rate and seed, and the simulator runs the same requests: the same arrival offsets
+(kvlab.fleet.workload.arrival_times is the bench's arrival process), the prompt lengths the
+server counted (its usage, BOS included) and the asked output lengths (--ignore-eos), on the
+engine's own Scheduler with the calibrated step cost. Writes reports/fleet/validation.json.
+Run it alone (it measures): flock /tmp/kvlab-heavy.lock python3 scripts/fleet_validate.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import httpx  # noqa: E402
+
+from kvlab.bench.provenance import provenance  # noqa: E402
+from kvlab.bench.serve_data import random_requests  # noqa: E402
+from kvlab.fleet.fleet import simulate  # noqa: E402
+from kvlab.fleet.results import summarise  # noqa: E402
+from kvlab.fleet.service import ReplicaSpec, load_calibration  # noqa: E402
+from kvlab.fleet.workload import Requests, arrival_times  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+INPUT_LEN, OUTPUT_LEN, RANGE = 128, 64, 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_of(calibration_path: str) -> tuple[ReplicaSpec, dict]:
+    cost, data = load_calibration(calibration_path)
+    e = data["engine"]
+    return ReplicaSpec(1, e["num_blocks"], e["block_size"], e["max_num_seqs"], e["max_num_batched_tokens"],
+                       e["max_model_len"], cost, True), data
+
+
+def capacity(replica: ReplicaSpec, seed: int) -> float:
+    """Requests/s the calibrated replica completes when always full (a burst of 4 x max_num_seqs)."""
+    n = 4 * replica.max_num_seqs
+    reqs = lengths(n, seed, np.zeros(n), None)
+    run = simulate(replica, reqs, 1, simulator="engine")
+    return summarise(run, 1)["request_throughput"]
+
+
+def lengths(n: int, seed: int, arrival: np.ndarray, prompt_lens) -> Requests:
+    asked = random_requests(n, INPUT_LEN, OUTPUT_LEN, RANGE, 0, seed, None)
+    if prompt_lens is None:  # the bench's draw of lengths, plus the BOS the server adds
+        rng = np.random.default_rng(seed)
+        lo, hi = int(INPUT_LEN * (1 - RANGE)), int(np.ceil(INPUT_LEN * (1 + RANGE)))
+        prompt_lens = rng.integers(lo, hi + 1, size=n) + 1
+    return Requests(np.asarray(arrival, float), np.asarray(prompt_lens, np.int64),
+                    np.array([r.expected_output_len for r in asked], np.int64), np.full(n, -1, np.int64),
+                    np.zeros(n, np.int64))
+
+
+def serve(model: str, engine: dict, port: int) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvlab.cli", "serve", model, "--port", str(port), "--log-level", "warning",
+            "--kv-cache-memory", str(engine["kv_cache_memory"]), "--max-num-seqs", str(engine["max_num_seqs"]),
+            "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
+            "--block-size", str(engine["block_size"])]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"kvlab serve exited {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("kvlab serve did not start within 120 s")
+
+
+def bench(model: str, port: int, rate: float, n: int, seed: int, path: str) -> dict:
+    argv = [sys.executable, "-m", "kvlab.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+            "--model", model, "--dataset-name", "random", "--input-len", str(INPUT_LEN), "--output-len",
+            str(OUTPUT_LEN), "--range-ratio", str(RANGE), "--ignore-eos", "--request-rate", str(rate),
+            "--num-prompts", str(n), "--seed", str(seed), "--metric-percentiles", "50,95,99",
+            "--save-result", "--save-detailed", "--result-file", path, "--disable-tqdm", "--tokenizer", model]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data["results"][0] if "results" in data else data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calibration", default=str(ROOT / "reports/fleet/calibration-smollm2.json"))
+    parser.add_argument("--out", default=str(ROOT / "reports/fleet/validation.json"))
+    parser.add_argument("--loads", default="0.25,0.6,1.5", help="rates as fractions of the simulated capacity")
+    parser.add_argument("--seconds", type=float, default=75.0, help="seconds of arrivals per workload (75)")
+    parser.add_argument("--min-prompts", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    replica, calibration = replica_of(args.calibration)
+    cap = capacity(replica, args.seed)
+    rows = []
+    names = ("low", "medium", "saturating")
+    for name, load in zip(names, [float(x) for x in args.loads.split(",")]):
+        rate = round(load * cap, 3)
+        n = max(args.min_prompts, int(args.seconds * rate))
+        port = free_port()
+        proc = serve(args.model, calibration["engine"], port)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                measured = bench(args.model, port, rate, n, args.seed, os.path.join(tmp, "bench.json"))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        reqs = lengths(n, args.seed, arrival_times(n, rate, 1.0, args.seed), measured.get("input_lens"))
+        predicted = summarise(simulate(replica, reqs, 1, simulator="engine"), 1)
+        row = {"workload": name, "load": load, "rate": rate, "num_prompts": n,
+               "measured": {"request_throughput": measured["request_throughput"],
+                            "output_throughput": measured["output_throughput"],
+                            "completed": measured["completed"], "failed": measured["failed"],
+                            **{f"{p}_{m}_ms": measured[f"{'median' if p == 'p50' else p}_{m}_ms"]
+                               for m in ("ttft", "tpot", "e2el") for p in ("p50", "p95")}},
+               "predicted": {"request_throughput": predicted["request_throughput"],
+                             "output_throughput": predicted["output_throughput"],
+                             "completed": predicted["completed"], "preemptions": predicted["preemptions"],
+                             **{f"{p}_{m}_ms": predicted[f"{m}_ms"][p] for m in ("ttft", "tpot", "e2el")
+                                for p in ("p50", "p95")}}}
+        row["errors"] = {k: row["predicted"][k] / row["measured"][k] - 1 for k in
+                         ("request_throughput", "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms")
+                         if row["measured"][k]}
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("workload", "rate", "errors")}), flush=True)
+    result = {"model": args.model, "calibration": os.path.relpath(args.calibration, ROOT),
+              "simulated_capacity_req_s": cap, "workload": {"dataset": "random", "input_len": INPUT_LEN,
+                                                            "output_len": OUTPUT_LEN, "range_ratio": RANGE,
+                                                            "arrivals": "Poisson", "seed": args.seed},
+              "targets": {"request_throughput": 0.10, "p95_ttft_ms": 0.25, "at": ["low", "medium"]},
+              "rows": rows, "provenance": provenance()}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
