@@ -3,6 +3,7 @@
     python3 scripts/fleet_report.py              # examples + speed run + README (reuses validation.json)
     python3 scripts/fleet_report.py --validate   # first re-measure: kvlab fleet calibrate + scripts/fleet_validate.py
     python3 scripts/fleet_report.py --render     # only rewrite README.md from the JSON files
+    (--skip-day and --day-only split the run in two, each under ten minutes)
 
 Run it alone (the speed run and the validation measure): flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py
 """
@@ -212,6 +213,7 @@ def main() -> int:
     parser.add_argument("--validate", action="store_true", help="re-run the calibration and the validation first")
     parser.add_argument("--render", action="store_true", help="only rewrite README.md from the JSON files")
     parser.add_argument("--skip-day", action="store_true", help="keep day.json (the longest part)")
+    parser.add_argument("--day-only", action="store_true", help="only the day-long speed run, then the README")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -219,7 +221,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "kvlab.cli", "fleet", "calibrate", "smollm2-135m", "--kv-cache-memory",
                         "1GiB", "--output", str(OUT / "calibration-smollm2.json")], check=True, env=env)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "fleet_validate.py")], check=True, env=env)
-    if not args.render:
+    if args.day_only:
+        day()
+    elif not args.render:
         datacentre()
         edge()
         if not args.skip_day:

@@ -38,8 +38,10 @@ def render(result: dict, console: Console | None = None) -> None:
                                     f"req/s ({r['good_fraction']:.0%} of requests)")
     if "min_cards" in result:
         m = result["min_cards"]
-        table.add_row("fewest cards for the SLO", f"{m['cards']} ({m['replicas']} replicas); tried "
-                      + ", ".join(f"{t['replicas']}{'' if t['meets_slo'] else 'x'}" for t in m["trials"]))
+        tried = ", ".join(f"{t['replicas']}xTP{t.get('cards_per_replica', rep['cards'])} "
+                          f"{'met' if t['meets_slo'] else 'missed'}" for t in m["trials"])
+        table.add_row("fewest cards for the SLO", f"{m['cards']} ({m['replicas']} replicas of TP{rep['cards']}); "
+                                                  f"tried {tried}")
     if "cost" in r:
         c = r["cost"]
         line = f"${c['dedicated_per_mtok']:.3f} per million output tokens dedicated (${c['fleet_per_hour']:.2f}/h)"

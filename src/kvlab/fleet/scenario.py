@@ -40,6 +40,7 @@ class Scenario:
     card_name: Optional[str] = None
     calibration: Optional[dict] = None
     tp_options: list[ReplicaSpec] = field(default_factory=list)  # replicas of 1x, 2x, 4x.. the weights' cards
+    bar: object = None  # a rich Progress while run(progress=True) is running
 
     def _requests(self, rate: Optional[float] = None) -> Requests:
         workload = self.workload
@@ -49,15 +50,22 @@ class Scenario:
         return draw(workload)
 
     def _summary(self, requests: Requests, replicas: int, timeline: bool = False, sizing: bool = False,
-                 replica: Optional[ReplicaSpec] = None) -> dict:
+                 replica: Optional[ReplicaSpec] = None, label: Optional[str] = None) -> dict:
         replica = replica or self.replica
         span = float(requests.arrival[-1]) if len(requests) else 1.0
         abort = None
         if sizing and self.slo and "ttft" in self.slo:  # a queue holding 4x the SLO's worth of arrivals cannot meet it
             abort = int(4 * self.slo["ttft"] / 1000 * len(requests) / max(span, 1e-9)) + replicas * replica.max_num_seqs
+        bar = self.bar
+        task = None
+        if bar is not None:
+            task = bar.add_task(label or f"{replicas} x TP{replica.cards}", total=len(requests))
         run = simulate(replica, requests, replicas, self.router, self.simulator,
                        sample_every=max(span, 1e-3) / TIMELINE_POINTS * replicas if timeline else None,
-                       abort_waiting=abort)
+                       abort_waiting=abort,
+                       progress=None if task is None else (lambda i: bar.update(task, completed=i)))
+        if task is not None:
+            bar.remove_task(task)
         summary = summarise(run, replica.cards, self.slo, self.price_per_card_hour, self.price_per_mtok)
         if timeline:
             summary["timeline"] = [list(row) for row in run.outcomes.timeline]
@@ -95,6 +103,19 @@ class Scenario:
         return best[0], trials_all
 
     def run(self, progress: bool = False) -> dict:
+        """Size (if asked), simulate, sweep; with `progress`, rich bars on stderr for each simulation."""
+        if not progress:
+            return self._run()
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True) as self.bar:
+            try:
+                return self._run()
+            finally:
+                self.bar = None
+
+    def _run(self) -> dict:
         requests = self._requests()
         replicas, trials = self._size(requests)
         main = self._summary(requests, replicas, timeline=True)
