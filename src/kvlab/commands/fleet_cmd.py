@@ -95,7 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     fleet.add_argument("--router", default="least-loaded", choices=("round-robin", "least-loaded"))
     fleet.add_argument("--simulator", default="auto", choices=("auto", "engine", "fast"),
                        help="engine: kvlab.engine's Scheduler itself; fast: the same policy aggregated; auto: engine "
-                            "up to 20,000 requests")
+                            "up to 500,000 prompt + output tokens")
     fleet.add_argument("--slo", nargs="+", type=slo_item, metavar="NAME:MS", help="e.g. ttft:2000 tpot:50")
     fleet.add_argument("--find-min-cards", action="store_true", help="the fewest replicas whose p95s meet --slo")
     fleet.add_argument("--price-per-card-hour", type=positive_float, help="dedicated cards' price (USD/hour)")

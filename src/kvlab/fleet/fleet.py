@@ -22,7 +22,7 @@ from kvlab.fleet.workload import Requests
 
 ROUTERS = ("round-robin", "least-loaded")
 SIMULATORS = ("engine", "fast", "auto")
-AUTO_ENGINE_TOKENS = 2_000_000  # prompt + output tokens: up to here `auto` runs the engine's own scheduler
+AUTO_ENGINE_TOKENS = 500_000  # prompt + output tokens: up to here `auto` runs the engine's own scheduler
 
 
 @dataclass

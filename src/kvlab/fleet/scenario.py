@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -147,7 +148,7 @@ class Scenario:
     def figures(self, result: dict, directory: str) -> list[str]:
         from kvlab.fleet.figures import kv_timeline, latency_vs_rate
         out = Path(directory)
-        name = self.spec.name.replace(" ", "_").replace("/", "_")
+        name = re.sub(r"[^a-z0-9.]+", "-", self.spec.name.lower()).strip("-")
         made = [kv_timeline(result["result"].get("timeline", []), out / f"{name}-kv-usage.png",
                             f"{self.spec.name}: KV pool over time ({result['result']['replicas']} replicas)")]
         if result.get("sweep"):
