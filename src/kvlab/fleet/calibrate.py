@@ -71,12 +71,14 @@ def measure(engine, batches: Sequence[int], contexts: Sequence[int], chunks: Seq
     def prompt(n: int) -> list[int]:
         return [int(t) for t in rng.integers(100, vocab - 100, size=n)]
 
-    for chunk in chunks:  # one prompt, one prefill step (twice: the first warms the path)
-        for attempt in range(2):
+    point = 0
+    for chunk in chunks:  # one prompt, one prefill step (four times: the first warms the path)
+        point += 1
+        for attempt in range(4):
             seq = engine.add_request(prompt(chunk), SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
             got = timed_steps(engine, 4)
             if attempt:
-                samples += got
+                samples += [dict(s, point=point) for s in got]
             engine.abort(seq.request_id)
         if progress:
             progress(f"prefill {chunk}")
@@ -87,7 +89,9 @@ def measure(engine, batches: Sequence[int], contexts: Sequence[int], chunks: Seq
             seqs = [engine.add_request(prompt(context), SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True,
                                                                        temperature=0)) for _ in range(batch)]
             got = timed_steps(engine, 10_000)
-            samples += [s for s in got if s["prefill_tokens"] or s["decode_seqs"] == batch]
+            point += 1
+            samples += [dict(s, point=point) if not s["prefill_tokens"] else s
+                        for s in got if s["prefill_tokens"] or s["decode_seqs"] == batch]
             for seq in seqs:
                 engine.abort(seq.request_id)
             if progress:
@@ -95,8 +99,28 @@ def measure(engine, batches: Sequence[int], contexts: Sequence[int], chunks: Seq
     return samples
 
 
+def _medians(samples: list[dict]) -> list[dict]:
+    """One row per step shape at batch x context granularity: the median time of its repeats.
+
+    This machine is shared: a step now and then takes several times its usual time because another
+    process held the cores. The median of a point's repeats is its typical cost; a spike is not.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for index, s in enumerate(samples):  # repeats of one point share its "point" tag
+        key = (s["point"], s["decode_seqs"], bool(s["prefill_tokens"])) if "point" in s else (index,)
+        groups.setdefault(key, []).append(s)
+    rows = []
+    for group in groups.values():
+        times = sorted(g["seconds"] for g in group)
+        middle = group[len(group) // 2]
+        rows.append({**{k: middle[k] for k in ("decode_seqs", "decode_ctx", "prefill_tokens", "prefill_pairs")},
+                     "seconds": float(np.median(times)), "repeats": len(group)})
+    return rows
+
+
 def fit(samples: list[dict]) -> tuple[LinearCost, dict]:
-    """Least squares per regime (negative coefficients clipped to 0 and the rest refitted); and its error."""
+    """Least squares per regime on per-point medians (negative coefficients clipped to 0 and the rest
+    refitted; points more than 3x the median relative error off refitted without), and its error."""
     def solve(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep = list(range(rows.shape[1]))
         while True:
@@ -107,8 +131,9 @@ def fit(samples: list[dict]) -> tuple[LinearCost, dict]:
                 return full
             keep.pop(int(np.argmin(coef)))
 
-    decode = [s for s in samples if not s["prefill_tokens"]]
-    mixed = [s for s in samples if s["prefill_tokens"]]
+    rows = _medians(samples)
+    decode = [s for s in rows if not s["prefill_tokens"]]
+    mixed = [s for s in rows if s["prefill_tokens"]]
     if len(decode) < 3 or len(mixed) < 3:
         raise ValueError("too few timed steps to fit (need 3 decode and 3 prefill steps)")
     xd = np.array([[1, s["decode_seqs"], s["decode_ctx"]] for s in decode], float)
@@ -116,11 +141,20 @@ def fit(samples: list[dict]) -> tuple[LinearCost, dict]:
     xm = np.array([[1, s["prefill_tokens"] + s["decode_seqs"], s["prefill_pairs"] + s["decode_ctx"] + s["decode_seqs"]]
                    for s in mixed], float)
     ym = np.array([s["seconds"] for s in mixed])
-    cd, cm = solve(xd, yd), solve(xm, ym)
+    def robust(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, int]:
+        coef = solve(x, y)
+        error = np.abs(x @ coef - y) / y
+        keep = error <= 3 * max(np.median(error), 0.05)
+        if keep.sum() >= x.shape[1] + 1 and not keep.all():
+            coef = solve(x[keep], y[keep])
+        return coef, int((~keep).sum())
+
+    (cd, dropped_d), (cm, dropped_m) = robust(xd, yd), robust(xm, ym)
     cost = LinearCost(*cd, *cm)
     err_d = np.abs(xd @ cd - yd) / yd
     err_m = np.abs(xm @ cm - ym) / ym
-    quality = {"decode_steps": len(decode), "prefill_steps": len(mixed),
+    quality = {"decode_points": len(decode), "prefill_points": len(mixed), "decode_outliers": dropped_d,
+               "prefill_outliers": dropped_m,
                "decode_median_abs_error": float(np.median(err_d)), "decode_p90_abs_error": float(np.percentile(err_d, 90)),
                "prefill_median_abs_error": float(np.median(err_m)),
                "prefill_p90_abs_error": float(np.percentile(err_m, 90))}
