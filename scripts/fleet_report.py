@@ -38,7 +38,8 @@ DTYPES = ("fp16", "fp8")
 EDGE = ("smollm2-135m --gpu jetson-agx-orin-64gb --rate 10 --burstiness inf --duration 60 --prompt-len 32 "
         "--output-len 8 --prefix-fraction 1 --prefix-len 1536 --max-num-seqs 8 --slo e2el:50 --seed 0")
 DAY = ("llama-3-8b --gpu h100 --kv-cache-dtype fp8 --rate 100 --duration 86400 --prompt-len uniform:1024:0.5 "
-       "--output-len uniform:256:0.5 --replicas {replicas} --router least-loaded --simulator fast --seed 0")
+       "--output-len uniform:256:0.5 --replicas {replicas} --tensor-parallel-size {tp} --router least-loaded "
+       "--simulator fast --seed 0")
 
 
 def fleet(command: str, plot: bool = False) -> dict:
@@ -85,11 +86,12 @@ def edge() -> None:
 
 def day() -> None:
     """A day at 100 req/s: the fleet sized on ten minutes of the same traffic, then the whole day, timed."""
-    sizing = fleet(DAY.format(replicas=1).replace("--duration 86400", "--duration 600").replace(
-        "--replicas 1", "--slo ttft:2000 tpot:50 --find-min-cards").replace(" --simulator fast", ""))
-    replicas = sizing["min_cards"]["replicas"]
+    sizing = fleet(DAY.format(replicas=1, tp=1).replace("--duration 86400", "--duration 600").replace(
+        "--replicas 1 --tensor-parallel-size 1", "--slo ttft:2000 tpot:50 --find-min-cards").replace(
+        " --simulator fast", ""))
+    replicas, tp = sizing["min_cards"]["replicas"], sizing["replica"]["cards"]
     started = time.perf_counter()
-    r = fleet(DAY.format(replicas=replicas))
+    r = fleet(DAY.format(replicas=replicas, tp=tp))
     r["total_wall_seconds"] = time.perf_counter() - started
     r["sized_on"] = sizing["command"]
     write("day.json", r)

@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--calibration", default=str(ROOT / "reports/fleet/calibration-smollm2.json"))
     parser.add_argument("--out", default=str(ROOT / "reports/fleet/validation.json"))
     parser.add_argument("--loads", default="0.25,0.6,1.5", help="rates as fractions of the simulated capacity")
-    parser.add_argument("--seconds", type=float, default=75.0, help="seconds of arrivals per workload (75)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of arrivals per workload (60)")
     parser.add_argument("--min-prompts", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
