@@ -147,7 +147,16 @@ def render() -> None:
                          f"{_ms(m['p50_tpot_ms'])} / {_ms(p['p50_tpot_ms'])} | "
                          f"{_ms(m['p95_tpot_ms'])} / {_ms(p['p95_tpot_ms'])} | "
                          f"{e.get('request_throughput', 0):+.0%} | {e.get('p95_ttft_ms', 0):+.0%} |")
-        lines += ["", "VALIDATION_NOTES", ""]
+        verdicts = []
+        for row in val["rows"]:
+            e = row["errors"]
+            if row["workload"] in val["targets"]["at"]:
+                tp_ok = abs(e.get("request_throughput", 1)) <= val["targets"]["request_throughput"]
+                ttft_ok = abs(e.get("p95_ttft_ms", 1)) <= val["targets"]["p95_ttft_ms"]
+                verdicts.append(f"{row['workload']}: throughput {'within' if tp_ok else 'MISSES'} 10% "
+                                f"({e.get('request_throughput', 0):+.1%}), p95 TTFT {'within' if ttft_ok else 'MISSES'} "
+                                f"25% ({e.get('p95_ttft_ms', 0):+.1%})")
+        lines += ["", "Against the targets: " + "; ".join(verdicts) + ".", "", "VALIDATION_NOTES", ""]
     else:
         lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", ""]
     lines += ["## Default efficiency factors (the roofline, when no --calibration is given)", "",
