@@ -154,8 +154,8 @@ def render() -> None:
                 tp_ok = abs(e.get("request_throughput", 1)) <= val["targets"]["request_throughput"]
                 ttft_ok = abs(e.get("p95_ttft_ms", 1)) <= val["targets"]["p95_ttft_ms"]
                 verdicts.append(f"{row['workload']}: throughput {'within' if tp_ok else 'MISSES'} 10% "
-                                f"({e.get('request_throughput', 0):+.1%}), p95 TTFT {'within' if ttft_ok else 'MISSES'} "
-                                f"25% ({e.get('p95_ttft_ms', 0):+.1%})")
+                                f"({e.get('request_throughput', 0):+.1%}), p95 TTFT "
+                                f"{'within' if ttft_ok else 'MISSES'} 25% ({e.get('p95_ttft_ms', 0):+.1%})")
         lines += ["", "Against the targets: " + "; ".join(verdicts) + ".", "", "VALIDATION_NOTES", ""]
     else:
         lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", ""]
@@ -172,8 +172,8 @@ def render() -> None:
                   f"${PRICE_H100_HOUR}/card-hour dedicated, ${PRICE_PER_MTOK} per million output tokens pay-per-token. "
                   "KV what-ifs change only the cache (the planner's convention: weights stay Llama-3-70B's). "
                   "Each row: `kvlab " + " ".join(("fleet " + DATACENTRE).split()) + " --kv-cache-dtype D [variant]`.",
-                  "", "| attention | KV dtype | KV/token/card | fewest cards (weights + one request) | KV seats per replica at 4,608 tokens | "
-                  "replica | cards for SLO | p95 TTFT ms | p95 TPOT ms | $/M output tok | pay-per-token break-even |",
+                  "", "| attention | KV dtype | KV/token/card | fewest cards (weights + one request) | "
+                  "KV seats per replica at 4,608 tokens | replica | cards for SLO | p95 TTFT ms | p95 TPOT ms | $/M output tok | pay-per-token break-even |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dc["rows"]:
             rep, res = r["replica"], r["result"]

@@ -3,7 +3,7 @@ and the fast path agreeing with the engine's scheduler step for step."""
 
 import numpy as np
 import pytest
-from fleet_helpers import COST, replica, requests
+from fleet_helpers import replica, requests
 
 import kvlab.engine.engine as engine_module
 from kvlab.engine.block_manager import BlockManager

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
-from dataclasses import replace
-from typing import Optional
 
 from kvlab.commands.args import byte_size, comma_list, non_negative_int, positive_float, positive_int
-from kvlab.commands.plan_args import add_model_arguments, device_from_args, model_from_args
+from kvlab.commands.plan_args import add_model_arguments
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.weights import WEIGHT_DTYPES
 
@@ -181,7 +177,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, enable_prefix_caching=False)
     engine = LLMEngine(model, tokenizer, config)
     if max(chunks) > config.max_num_batched_tokens:
-        raise FleetError(f"--chunks up to {max(chunks)} exceed --max-num-batched-tokens {config.max_num_batched_tokens}")
+        raise FleetError(f"--chunks up to {max(chunks)} exceed --max-num-batched-tokens "
+                         f"{config.max_num_batched_tokens}")
     from rich.progress import Progress
     points = len(chunks) + len(batches) * len(contexts)
     with Progress(console=console, transient=True) as bar:

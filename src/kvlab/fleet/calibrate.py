@@ -155,7 +155,8 @@ def fit(samples: list[dict]) -> tuple[LinearCost, dict]:
     err_m = np.abs(xm @ cm - ym) / ym
     quality = {"decode_points": len(decode), "prefill_points": len(mixed), "decode_outliers": dropped_d,
                "prefill_outliers": dropped_m,
-               "decode_median_abs_error": float(np.median(err_d)), "decode_p90_abs_error": float(np.percentile(err_d, 90)),
+               "decode_median_abs_error": float(np.median(err_d)),
+               "decode_p90_abs_error": float(np.percentile(err_d, 90)),
                "prefill_median_abs_error": float(np.median(err_m)),
                "prefill_p90_abs_error": float(np.percentile(err_m, 90))}
     return cost, quality
