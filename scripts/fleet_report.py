@@ -173,7 +173,8 @@ def render() -> None:
                   "KV what-ifs change only the cache (the planner's convention: weights stay Llama-3-70B's). "
                   "Each row: `kvlab " + " ".join(("fleet " + DATACENTRE).split()) + " --kv-cache-dtype D [variant]`.",
                   "", "| attention | KV dtype | KV/token/card | fewest cards (weights + one request) | "
-                  "KV seats per replica at 4,608 tokens | replica | cards for SLO | p95 TTFT ms | p95 TPOT ms | $/M output tok | pay-per-token break-even |",
+                  "KV seats per replica at 4,608 tokens | replica | cards for SLO | p95 TTFT ms | p95 TPOT ms | "
+                  "$/M output tok | pay-per-token break-even |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in dc["rows"]:
             rep, res = r["replica"], r["result"]
