@@ -158,7 +158,8 @@ def render() -> None:
                                 f"{'within' if ttft_ok else 'MISSES'} 25% ({e.get('p95_ttft_ms', 0):+.1%})")
         lines += ["", "Against the targets: " + "; ".join(verdicts) + ".", "", "VALIDATION_NOTES", ""]
     else:
-        lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", ""]
+        lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", "",
+                  "VALIDATION_STATUS", ""]
     lines += ["## Default efficiency factors (the roofline, when no --calibration is given)", "",
               f"- bandwidth efficiency {DEFAULT_BANDWIDTH_EFFICIENCY}: {EFFICIENCY_SOURCES['bandwidth']}",
               f"- compute efficiency {DEFAULT_COMPUTE_EFFICIENCY}: {EFFICIENCY_SOURCES['compute']}",
@@ -219,7 +220,7 @@ def render() -> None:
     text = "\n".join(lines)
     notes = (OUT / "notes.md").read_text() if (OUT / "notes.md").exists() else ""
     parts = dict(p.split("\n", 1) for p in notes.split("<!-- ")[1:]) if notes else {}
-    for key in ("VALIDATION_NOTES", "SIMULATOR_NOTES"):
+    for key in ("VALIDATION_NOTES", "VALIDATION_STATUS", "SIMULATOR_NOTES"):
         text = text.replace(key, parts.get(key + " -->", "").strip())
     tmp = OUT / "README.md.tmp"
     tmp.write_text(text + "\n")
