@@ -79,8 +79,10 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
     raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
+def load_checkpoint(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
     """Resolve `name` and load its weights and tokenizer; activations in `dtype`.
+
+    (Not kvlab.plan.loaders.load_model, which reads only a model's shape for the planner.)
 
     `packing` ("dense", "gguf", "int4") says how a GGUF's quantised matrices are kept (see
     kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
@@ -93,3 +95,6 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, packing: str = "de
     from kvlab.checkpoints.gguf import load_gguf
     model, tokenizer, file = load_gguf(path, dtype, packing)
     return LoadedModel(model, tokenizer, path, file.weight_bytes)
+
+
+load_model = load_checkpoint  # the old name, kept for branches written before the rename
