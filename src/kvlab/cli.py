@@ -25,6 +25,7 @@ COMMANDS = {
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
     "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
+    "convert": ("convert_cmd", "convert a real checkpoint's KV heads (MHA/GQA/MQA) and write it for transformers/llama.cpp"),
     "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine), serve (a server under load)"),
 }
 

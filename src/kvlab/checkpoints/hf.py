@@ -144,12 +144,12 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder
         raise PlanError(f"{config_path} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{config_path} must hold a JSON object, not a {type(data).__name__}")
-    try:
-        state = load_file(weights_path)
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
-        raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
     try:  # a config with missing fields or wrong types, or tensors of the wrong names or shapes: the user's files
-        config = config_from_json(data)
+        config = config_from_json(data)  # before the weights: an unsupported model fails fast
+        try:
+            state = load_file(weights_path)
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
+            raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
         if "kvlab_config" not in data:
             state = from_hf_state(state, config)
         model = Decoder.from_state_dict(config, state)
