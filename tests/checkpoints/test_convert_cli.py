@@ -154,3 +154,21 @@ def test_smollm2_to_mqa_transformers_agrees(tmp_path):
     with torch.no_grad():
         theirs = model(torch.tensor([IDS])).logits[0]
     torch.testing.assert_close(theirs, logits(load(out)), atol=2e-3, rtol=1e-3)
+
+
+def test_export_prints_vllm_serve_and_the_plans_capacity_lines(kv2, capsys, tmp_path):
+    capsys.readouterr()
+    assert main(["export", str(kv2), "--vllm", "--kv-cache-memory", "1GiB", "--max-model-len", "512",
+                 "--kv-cache-dtype", "fp8", "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["command"].startswith("VLLM_CPU_KVCACHE_SPACE=1 vllm serve ")
+    for flag in ("--kv-cache-dtype fp8", "--max-model-len 512", "--served-model-name kv2"):
+        assert flag in exported["command"]
+    assert main(["plan", str(kv2), "--engine", "vllm", "--vllm-device", "cpu", "--kv-cache-memory", "1GiB",
+                 "--context", "512", "--kv-cache-dtype", "fp8", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert exported["predicted_log_lines"] == planned["vllm"]["log_lines"]
+    assert exported["block_size"] == 128
+    # 5 layers x 2 KV heads x 8 dims x (K and V) x 1 byte (fp8) = 160 B a token, in blocks of 128 tokens
+    assert exported["num_blocks"] == 2**30 // (160 * 128)
+    assert main(["export", str(tmp_path), "--vllm"]) == 2
