@@ -8,8 +8,8 @@ from needs import STORIES, require_file, require_smollm2
 @pytest.fixture(scope="session")
 def stories():
     require_file(STORIES, "../shared/models/stories260K.gguf")
-    from kvlab.checkpoints.resolve import load_model
-    return load_model(STORIES)
+    from kvlab.checkpoints.resolve import load_checkpoint
+    return load_checkpoint(STORIES)
 
 
 @pytest.fixture(scope="session")
@@ -19,5 +19,5 @@ def smollm2_path():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    from kvlab.checkpoints.resolve import load_model
-    return load_model(smollm2_path)
+    from kvlab.checkpoints.resolve import load_checkpoint
+    return load_checkpoint(smollm2_path)

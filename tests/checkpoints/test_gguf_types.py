@@ -97,7 +97,7 @@ def twin_files(tmp_path_factory):
 
 def build(path: str, packing: str) -> Decoder:
     file = read_gguf(path)
-    config = config_from_gguf(file.meta, VOCAB, tied=True)
+    config = config_from_gguf(file.header)
     state, modules = load_weights(file, config, packing)
     return Decoder.from_state_dict(config, state, modules).eval()
 

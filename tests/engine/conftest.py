@@ -8,8 +8,8 @@ from needs import STORIES, require_file
 @pytest.fixture(scope="session")
 def stories_loaded():
     require_file(STORIES, "../shared/models/stories260K.gguf")
-    from kvlab.checkpoints.resolve import load_model
-    return load_model(STORIES)
+    from kvlab.checkpoints.resolve import load_checkpoint
+    return load_checkpoint(STORIES)
 
 
 @pytest.fixture(scope="session")

@@ -228,9 +228,29 @@ def test_non_gguf_files(tmp_path):
     raises_one_line("not a readable GGUF|truncated", header_only)
 
 
-def test_missing_gguf_package_says_how_to_install(monkeypatch, tmp_path):
+@pytest.mark.usefixtures("needs_stories")
+def test_planning_a_gguf_needs_neither_gguf_nor_numpy(monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # makes `import gguf` raise ImportError
-    raises_one_line("pip install gguf", tmp_path / "any.gguf")
+    monkeypatch.setitem(sys.modules, "numpy", None)
+    assert load_gguf_header(STORIES).vocab_size == 512
+
+
+@pytest.mark.usefixtures("needs_stories")
+def test_stdlib_reader_agrees_with_gguf_py_on_every_key_and_tensor():
+    from kvlab.plan.gguf_file import SkippedArray, read_gguf_header
+
+    reference = gguf.GGUFReader(STORIES)
+    full, quick = read_gguf_header(STORIES, strings=True), read_gguf_header(STORIES)
+    fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert full.metadata == fields
+    tokens = quick.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, SkippedArray) and len(tokens) == len(fields["tokenizer.ggml.tokens"])
+    assert {k: v for k, v in quick.metadata.items() if not isinstance(v, SkippedArray)} == \
+        {k: v for k, v in fields.items() if not isinstance(quick.metadata[k], SkippedArray)}
+    assert full.data_offset == reference.data_offset
+    assert [(t.name, t.dims, t.type_id, t.offset, t.n_bytes, t.n_elements) for t in full.tensors.values()] == \
+        [(t.name, tuple(int(n) for n in t.shape), int(t.tensor_type), int(t.data_offset), int(t.n_bytes),
+          int(t.n_elements)) for t in reference.tensors]
 
 
 @pytest.mark.usefixtures("needs_stories")

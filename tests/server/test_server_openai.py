@@ -30,10 +30,10 @@ def client(server):
 @pytest.fixture(scope="module")
 def expected():
     """`kvlab generate`'s greedy text for the prompt, the reference every greedy answer must equal."""
-    from kvlab.checkpoints.resolve import load_model
+    from kvlab.checkpoints.resolve import load_checkpoint
     from kvlab.nn.generate import generate
 
-    loaded = load_model(STORIES)
+    loaded = load_checkpoint(STORIES)
     ids = loaded.tokenizer.encode("Once upon a time")
     out = generate(loaded.model, ids, 24, stop_ids=[loaded.tokenizer.eos_id])[0].tolist()
     return loaded.tokenizer.decode(out), len(ids)

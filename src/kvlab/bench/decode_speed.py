@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from kvlab.bench.provenance import provenance
-from kvlab.checkpoints.resolve import load_model, resolve_model_path
+from kvlab.checkpoints.resolve import load_checkpoint, resolve_model_path
 from kvlab.nn.generate import generate
 from kvlab.train.progress import progress_bar
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    loaded = load_model(args.model, torch.float32, args.kvlab_weights)
+    loaded = load_checkpoint(args.model, torch.float32, args.kvlab_weights)
     prompt = loaded.tokenizer.encode(PROMPT)[:32]
     stats: dict = {}
     generate(loaded.model, prompt, 2, stats=stats)

@@ -26,7 +26,7 @@ import torch
 
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.checkpoints.resolve import load_model
+from kvlab.checkpoints.resolve import load_checkpoint
 from kvlab.nn.paged_decode import PagedDecodeStep
 
 BLOCK = 16
@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model("smollm2-135m", torch.float32, "gguf").model
+    model = load_checkpoint("smollm2-135m", torch.float32, "gguf").model
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start")
 
     positions = torch.linspace(64, 1024, args.rows).long().tolist()

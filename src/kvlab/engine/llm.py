@@ -24,7 +24,7 @@ def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", thre
     """(model, tokenizer) for a name, a .gguf file or a Hugging Face directory, as `kvlab generate` loads it."""
     import torch
 
-    from kvlab.checkpoints.resolve import load_model
+    from kvlab.checkpoints.resolve import load_checkpoint
 
     if threads:
         torch.set_num_threads(threads)
@@ -32,7 +32,7 @@ def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", thre
     if packing == "auto":
         from kvlab.nn.ggml import kernels
         packing = "gguf" if kernels() is not None else "dense"
-    loaded = load_model(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], packing)
+    loaded = load_checkpoint(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], packing)
     return loaded.model, loaded.tokenizer
 
 

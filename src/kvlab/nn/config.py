@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from kvlab.plan.errors import PlanError
+from kvlab.plan.hf_shape import Latent, Shape, count_params
 from kvlab.plan.spec import FULL, MLA, LayerAttention, ModelSpec
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -89,21 +90,25 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_shape(self) -> Shape:
+        """The architecture facts the planner counts parameters from (kvlab.plan.hf_shape), so a
+        model built here and a config.json describing it are counted by the same function."""
+        latent = None
+        if self.attention == "mla":
+            latent = Latent(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        bias = self.bias and self.attention == "gqa"  # kvlab's MLA projections have no biases
+        return Shape(
+            layers=self.n_layers, hidden=self.dim, q_heads=self.n_heads,
+            kv_heads=self.n_heads if latent else self.kv_heads,
+            head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim if latent else self.head_size,
+            intermediate=self.ffn_size, vocab=self.vocab_size, tied=self.tie_embeddings, max_context=self.max_seq_len,
+            qkv_bias=bias, o_bias=bias, gated_mlp=self.mlp == "swiglu", mlp_bias=self.bias,
+            norm_params=2 if self.norm == "layernorm" and self.bias else 1, latent=latent,
+        )
+
     def param_count(self) -> int:
         """Parameters of the model `Decoder(config)` builds (tied embeddings counted once)."""
-        d, bias = self.dim, int(self.bias)
-        if self.attention == "mla":
-            h, qk = self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
-            attn = (d * h * qk + d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-                    + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d)
-        else:
-            qkv = (self.n_heads + 2 * self.kv_heads) * self.head_size
-            attn = d * qkv + bias * qkv + self.n_heads * self.head_size * d + bias * d
-        f = self.ffn_size
-        mlp = (3 * d * f) if self.mlp == "swiglu" else (2 * d * f + bias * (f + d))
-        norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
-        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + mlp + 2 * norm) + norm + embeddings
+        return count_params(self.to_shape())[0]
 
     def to_plan_spec(self) -> ModelSpec:
         """The planner's view of this model, so plan and measurement share one description."""

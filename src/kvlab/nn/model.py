@@ -43,8 +43,12 @@ class Decoder(nn.Module):
         """`init_weights=False` leaves parameters as allocated: for loaders that overwrite them all."""
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)
+        # A loader's embedding is left uninitialised: nn.Embedding's own normal_ init on the meta
+        # device routes through torch._refs and imports torch._dynamo, 3 s of SmolLM2's start-up.
+        unset = None if init_weights else torch.empty(config.vocab_size, config.dim)
+        self.embed = nn.Embedding(config.vocab_size, config.dim, _weight=unset)
+        with torch.device("cpu"):  # real tables even inside from_state_dict's meta-device build
+            self.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -88,7 +92,6 @@ class Decoder(nn.Module):
             raise PlanError(f"checkpoint tensors do not match the {config.name} config: {result}")
         if config.tie_embeddings and "lm_head" not in modules:
             model.lm_head.weight = model.embed.weight
-        model.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)  # buffers off meta
         return model
 
     @property

@@ -2,8 +2,9 @@
 
 A GGUF states its architecture in `{arch}.*` keys and lists every tensor with its type and
 shape, so the header alone gives exact parameter counts and the exact bytes llama.cpp will
-load, without reading a byte of weights. `gguf` (which pulls in numpy) is imported inside
-the loader so that `import kvlab.plan` stays stdlib-only.
+load, without reading a byte of weights. The header comes from kvlab.plan.gguf_file's stdlib
+reader, which skips the vocabulary, so planning a 100 MB file takes milliseconds and
+`import kvlab.plan` stays stdlib-only.
 
 Window conventions follow llama.cpp, which is what runs a GGUF: a bare
 `attention.sliding_window` applies with the architecture's built-in layer pattern (Gemma 2
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from kvlab.plan.errors import PlanError
+from kvlab.plan.gguf_file import GGUFHeader, TensorInfo, read_gguf_header
 from kvlab.plan.spec import FULL, MLA, SLIDING, LayerAttention, ModelSpec
 
 # llama.cpp's set_swa_pattern(n): layer i slides unless i % n == n - 1 (n = 0: every layer slides)
@@ -28,28 +30,21 @@ _NOT_PARAMETERS = ("rope_freqs.", "rope_factors_")  # rotary tables stored as te
 
 def load_gguf_header(path: Union[str, os.PathLike]) -> ModelSpec:
     """Read a .gguf header: per-layer attention, parameter counts and the file's real weight bytes."""
-    try:
-        import gguf
-    except ImportError:
-        raise PlanError("reading GGUF files needs the gguf package: pip install gguf") from None
-    file = Path(path)
-    if not file.is_file():
-        raise PlanError(f"no GGUF file at {path}")
-    try:
-        reader = gguf.GGUFReader(file)
-    except Exception as error:  # gguf raises ValueError, IndexError, KeyError... on bad bytes
-        raise PlanError(f"{file} is not a readable GGUF file ({_reason(error)})") from None
-    _check_tensor_data(reader, file)
-    meta = _Metadata(reader.fields)
+    return spec_from_gguf_header(read_gguf_header(path))
+
+
+def spec_from_gguf_header(header: GGUFHeader) -> ModelSpec:
+    """The planner's model from a parsed header (the loaders build their config from this too)."""
+    meta = GGUFMetadata(header.metadata)
     arch = meta.text("general.architecture")
     notes: list[str] = []
     layers = _layers(meta, arch, notes)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    total, active = _count_params(meta, arch, reader.tensors)
+    tensors = header.tensors
+    total, active = _count_params(meta, arch, list(tensors.values()))
     embedding = tensors.get("token_embd.weight")
-    vocab = int(embedding.shape[1]) if embedding is not None and len(embedding.shape) == 2 else _vocab(meta, arch)
+    vocab = embedding.dims[1] if embedding is not None and len(embedding.dims) == 2 else _vocab(meta, arch)
     return ModelSpec(
-        name=file.stem,  # what the user typed; general.name is often generic ("llama")
+        name=Path(header.path).stem,  # what the user typed; general.name is often generic ("llama")
         layers=layers,
         params_total=total,
         params_active=active,
@@ -57,26 +52,29 @@ def load_gguf_header(path: Union[str, os.PathLike]) -> ModelSpec:
         vocab_size=vocab,
         tied_embeddings="output.weight" not in tensors,
         max_context=meta.optional_size(f"{arch}.context_length"),
-        weight_bytes=sum(int(tensor.n_bytes) for tensor in reader.tensors),
+        weight_bytes=header.weight_bytes,
         source="gguf",
         notes=tuple(notes),
     )
 
 
-class _Metadata:
+class GGUFMetadata:
     """Typed access to GGUF key-values, each failure a one-line `PlanError`."""
 
-    def __init__(self, fields: dict) -> None:
-        self.fields = fields
+    def __init__(self, metadata: dict) -> None:
+        self.metadata = metadata
 
     def get(self, key: str) -> Any:
-        field = self.fields.get(key)
-        if field is None:
-            return None
-        try:
-            return field.contents()
-        except Exception as error:
-            raise PlanError(f"GGUF key {key} is unreadable ({_reason(error)})") from None
+        return self.metadata.get(key)
+
+    def number(self, key: str, default: float) -> float:
+        """A float setting (norm epsilon, RoPE base), `default` where the file states none."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise PlanError(f"GGUF key {key} must be a positive number, got {value!r}")
+        return float(value)
 
     def text(self, key: str) -> str:
         value = self.get(key)
@@ -111,7 +109,7 @@ class _Metadata:
         return values
 
 
-def _layers(meta: _Metadata, arch: str, notes: list[str]) -> tuple[LayerAttention, ...]:
+def _layers(meta: GGUFMetadata, arch: str, notes: list[str]) -> tuple[LayerAttention, ...]:
     count = meta.size(f"{arch}.block_count")
     heads = meta.per_layer(f"{arch}.attention.head_count", count)
     kv_heads = meta.per_layer(f"{arch}.attention.head_count_kv", count, default=heads)
@@ -148,7 +146,7 @@ def _layers(meta: _Metadata, arch: str, notes: list[str]) -> tuple[LayerAttentio
     return tuple(layers)
 
 
-def _sliding_layers(meta: _Metadata, arch: str, count: int, notes: list[str]) -> list[bool]:
+def _sliding_layers(meta: GGUFMetadata, arch: str, count: int, notes: list[str]) -> list[bool]:
     """Which layers use `attention.sliding_window`: an explicit pattern, else llama.cpp's per-arch rule."""
     if not meta.optional_size(f"{arch}.attention.sliding_window"):
         return [False] * count
@@ -168,34 +166,21 @@ def _sliding_layers(meta: _Metadata, arch: str, count: int, notes: list[str]) ->
     return [period == 0 or index % period < period - 1 for index in range(count)]
 
 
-def _count_params(meta: _Metadata, arch: str, tensors: list) -> tuple[int, Optional[int]]:
+def _count_params(meta: GGUFMetadata, arch: str, tensors: list[TensorInfo]) -> tuple[int, Optional[int]]:
     """(total, active) elements over the weight tensors; active drops the experts a token skips."""
     weights = [tensor for tensor in tensors if not tensor.name.startswith(_NOT_PARAMETERS)]
-    total = sum(int(tensor.n_elements) for tensor in weights)
+    total = sum(tensor.n_elements for tensor in weights)
     experts = meta.optional_size(f"{arch}.expert_count")
     used = meta.optional_size(f"{arch}.expert_used_count")
     if not experts or not used:
         return total, None
-    routed = sum(int(tensor.n_elements) for tensor in weights if "_exps." in tensor.name)
+    routed = sum(tensor.n_elements for tensor in weights if "_exps." in tensor.name)
     return total, total - routed // experts * (experts - min(used, experts))
 
 
-def _vocab(meta: _Metadata, arch: str) -> Optional[int]:
-    tokens = meta.fields.get("tokenizer.ggml.tokens")
-    return meta.optional_size(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
-
-
-def _check_tensor_data(reader: Any, file: Path) -> None:
-    """A header can survive truncation; the tensor data it points at must lie inside the file."""
-    size = file.stat().st_size
-    for tensor in reader.tensors:
-        if int(tensor.data_offset) + int(tensor.n_bytes) > size:
-            raise PlanError(f"{file} is truncated: tensor {tensor.name} runs past the end of the file")
-
-
-def _reason(error: Exception) -> str:
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {text}"[:160] if text else type(error).__name__
+def _vocab(meta: GGUFMetadata, arch: str) -> Optional[int]:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    return meta.optional_size(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
 
 
 def _is_int(value: Any) -> bool:

@@ -56,16 +56,7 @@ def load_hf_config(path: str) -> ModelSpec:
 
 def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """Turn a parsed config.json into a spec: per-layer attention, parameter counts, context."""
-    if not isinstance(config, dict):
-        raise PlanError(f"a config.json holds a JSON object, not {type(config).__name__}")
-    config, notes = _language_model(config)
-    model_type = config.get("model_type")
-    family = _family(model_type)
-    if family is None:
-        stated = f"model_type {model_type!r}" if model_type is not None else "no model_type"
-        raise PlanError(f"config.json has {stated}; supported families: {SUPPORTED}")
-    shape = family.read(Fields(config, family.defaults, model_type))
-    _check_heads(shape)
+    shape, notes = hf_shape(config)
     total, active = count_params(shape)
     return ModelSpec(
         name=name,
@@ -79,6 +70,25 @@ def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         source="config.json",
         notes=notes + shape.notes,
     )
+
+
+def hf_shape(config: dict) -> tuple[Shape, tuple[str, ...]]:
+    """The decoder's architecture facts from a parsed config.json (and notes on what was left out).
+
+    The one reading of a config: the planner's spec and kvlab.checkpoints.hf's model config
+    both start from this `Shape`.
+    """
+    if not isinstance(config, dict):
+        raise PlanError(f"a config.json holds a JSON object, not {type(config).__name__}")
+    config, notes = _language_model(config)
+    model_type = config.get("model_type")
+    family = _family(model_type)
+    if family is None:
+        stated = f"model_type {model_type!r}" if model_type is not None else "no model_type"
+        raise PlanError(f"config.json has {stated}; supported families: {SUPPORTED}")
+    shape = family.read(Fields(config, family.defaults, model_type))
+    _check_heads(shape)
+    return shape, notes
 
 
 def _language_model(config: dict) -> tuple[dict, tuple[str, ...]]:

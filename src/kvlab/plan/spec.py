@@ -199,9 +199,9 @@ def estimate_dense_params(
     tied: bool = False,
 ) -> int:
     """Parameter count of a Llama-style decoder (SwiGLU MLP, RMSNorm), for shapes given without one."""
+    from kvlab.plan.hf_shape import Shape, count_params  # hf_shape imports this module
+
     ffn = intermediate or 256 * ((8 * hidden // 3 + 255) // 256)
-    attention = hidden * q_heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * ffn
-    norms = 2 * hidden
-    embeddings = vocab * hidden * (1 if tied else 2)
-    return num_layers * (attention + mlp + norms) + embeddings + hidden
+    shape = Shape(layers=num_layers, hidden=hidden, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                  intermediate=ffn, vocab=vocab, tied=tied, max_context=1)
+    return count_params(shape)[0]

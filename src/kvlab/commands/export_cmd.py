@@ -1,0 +1,91 @@
+"""`kvlab export OUT --vllm`: the `vllm serve` command for a converted directory, and what vLLM will log.
+
+vLLM is where a model goes when one machine is not enough (tensor parallelism, GPUs);
+`kvlab convert` writes directories it can serve. This prints the command line and, from
+kvlab's planner (kvlab.plan.vllm_blocks, vLLM's own block arithmetic), the capacity lines
+vLLM logs at start-up for that directory's config.json: on its CPU backend (blocks of 128
+tokens, a VLLM_CPU_KVCACHE_SPACE budget) or on a named card (`--gpu h100`).
+Only the planner runs; nothing is loaded and no vLLM is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from kvlab.commands.args import byte_size, positive_float, positive_int
+from kvlab.plan.errors import PlanError
+
+EXAMPLES = """examples:
+  kvlab export smollm2-mqa --vllm                                  # vLLM's CPU backend, 4 GiB of KV cache
+  kvlab export smollm2-mqa --vllm --kv-cache-memory 1GiB --max-model-len 2048 --kv-cache-dtype fp8
+  kvlab export smollm2-mqa --vllm --gpu h100 --json
+"""
+VLLM_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+CPU_DEFAULT_KV_CACHE_SPACE = 4 * 2**30
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
+                                   epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUT", help="a directory `kvlab convert` wrote (config.json + safetensors)")
+    parser.add_argument("--vllm", action="store_true", required=True, help="export for vLLM (the only target)")
+    parser.add_argument("--kv-cache-dtype", choices=VLLM_KV_DTYPES, default="auto", help="vLLM's --kv-cache-dtype")
+    parser.add_argument("--max-model-len", type=positive_int, help="vLLM's --max-model-len (default: config's)")
+    parser.add_argument("--served-model-name", help="vLLM's --served-model-name (default: OUT's folder name)")
+    parser.add_argument("--gpu", help="a card from kvlab's catalog (h100, l40s, ...); default: vLLM's CPU backend")
+    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
+                        help="vLLM's --gpu-memory-utilization with --gpu (0.9)")
+    parser.add_argument("--kv-cache-memory", type=byte_size,
+                        help="KV cache budget (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB; default 4GiB)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlab.plan.hardware import device
+    from kvlab.plan.loaders import load_model
+    from kvlab.plan.planner import PlanRequest, plan
+
+    if not os.path.isfile(os.path.join(args.out, "config.json")):
+        raise PlanError(f"{args.out} is not a model directory (no config.json); write one with kvlab convert")
+    spec = load_model(args.out)
+    max_len = args.max_model_len or spec.max_context or 2048
+    name = args.served_model_name or os.path.basename(os.path.abspath(args.out))
+    cpu = args.gpu is None
+    budget = args.kv_cache_memory if args.kv_cache_memory is not None else (CPU_DEFAULT_KV_CACHE_SPACE if cpu else None)
+    if cpu and budget % 2**30:
+        raise PlanError("vLLM's CPU backend takes VLLM_CPU_KVCACHE_SPACE in whole GiB; give --kv-cache-memory NGiB")
+    kv_dtype = "fp8" if args.kv_cache_dtype.startswith("fp8") else "auto"
+    request = PlanRequest(context=max_len, kv_cache_dtype=kv_dtype, model_dtype="bf16" if cpu else "fp16",
+                          kv_cache_memory=budget, device=None if cpu else device(args.gpu),
+                          gpu_memory_utilization=args.gpu_memory_utilization, engine="vllm",
+                          vllm_device="cpu" if cpu else "cuda")
+    result = plan(spec, request)
+    if "vllm" not in result:
+        raise PlanError("give --kv-cache-memory or --gpu so the planner knows vLLM's cache budget")
+    command = ["vllm", "serve", os.path.abspath(args.out), "--served-model-name", name,
+               "--max-model-len", str(max_len), "--kv-cache-dtype", args.kv_cache_dtype]
+    if cpu:
+        environment = f"VLLM_CPU_KVCACHE_SPACE={budget // 2**30} "
+    else:
+        environment = ""
+        command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    line = environment + " ".join(shlex.quote(part) for part in command)
+    vllm = result["vllm"]
+    report = {"command": line, "device": "cpu" if cpu else args.gpu, "predicted_log_lines": vllm["log_lines"],
+              "num_blocks": vllm["num_gpu_blocks"], "block_size": vllm["block_size"],
+              "kv_cache_tokens": vllm["gpu_kv_cache_tokens"], "kv_bytes_per_token": result["kv_bytes_per_token"],
+              "bench": f"kvlab bench serve --base-url http://localhost:8000 --model {name}"}
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return 0
+    print(line)
+    print(f"kvlab's planner predicts vLLM ({report['device']}, blocks of {vllm['block_size']} tokens) will log:")
+    for log_line in vllm["log_lines"]:
+        print(f"  {log_line}")
+    return 0
