@@ -31,7 +31,7 @@ def test_compare_runs_every_peer_on_the_same_requests_and_skips_the_missing(tmp_
     printed = capsys.readouterr()
     assert rc == 0
     assert "vllm: skipped: no vLLM venv" in printed.err and "broken: skipped: broken exited 3" in printed.err
-    assert "kvlab bench compare" in printed.out and "concurrency 3: kvlab" in printed.out
+    assert "kvlab bench compare" in printed.out and "prompt 12, concurrency 3: kvlab" in printed.out
     result = json.loads(out.read_text())
     peers = {p["name"]: p for p in result["peers"]}
     assert [p["name"] for p in result["peers"]] == ["kvlab", "vllm", "fake", "broken"]
@@ -47,23 +47,25 @@ def test_compare_runs_every_peer_on_the_same_requests_and_skips_the_missing(tmp_
     for mine, theirs in zip(peers["kvlab"]["runs"], peers["fake"]["runs"]):
         assert mine["total_input_tokens"] - theirs["total_input_tokens"] == mine["completed"]
         assert mine["total_output_tokens"] == mine["requested_output_tokens"]  # ignore_eos honoured
-        level = str(mine["max_concurrency"])
-        assert result["kvlab_over_peer"][level] == {"fake": mine["output_throughput"] / theirs["output_throughput"]}
-        assert result["best_peer"][level] == {"name": "fake", "output_throughput": theirs["output_throughput"]}
+        cell = next(c for c in result["cells"] if c["max_concurrency"] == mine["max_concurrency"])
+        assert cell["input_len"] == mine["input_len"] == theirs["input_len"] == 12
+        assert cell["kvlab_over_peer"] == {"fake": mine["output_throughput"] / theirs["output_throughput"]}
+        assert cell["best_peer"] == {"name": "fake", "output_throughput": theirs["output_throughput"]}
     assert result["provenance"]["git_commit"]
 
 
-def test_ratios_are_per_level_against_every_peer_that_ran():
-    def run(level, tps):
-        return {"max_concurrency": level, "output_throughput": tps}
-    peers = [{"name": "kvlab", "status": "ran", "runs": [run(1, 10.0), run(4, 40.0)]},
-             {"name": "a", "status": "ran", "runs": [run(1, 5.0), run(4, 0.0)]},
+def test_ratios_are_per_cell_against_every_peer_that_ran():
+    def run(level, tps, input_len=8):
+        return {"input_len": input_len, "max_concurrency": level, "output_throughput": tps}
+    peers = [{"name": "kvlab", "status": "ran", "runs": [run(1, 10.0), run(4, 40.0), run(1, 9.0, 64)]},
+             {"name": "a", "status": "ran", "runs": [run(1, 5.0), run(4, 0.0), run(1, 3.0, 64)]},
              {"name": "b", "status": "ran", "runs": [run(1, 20.0)]},
              {"name": "c", "status": "skipped"}]
-    out = ratios(peers, [1, 4])
-    assert out["kvlab_over_peer"] == {"1": {"a": 2.0, "b": 0.5}, "4": {"a": None}}
-    assert out["best_peer"] == {"1": {"name": "b", "output_throughput": 20.0},
-                                "4": {"name": "a", "output_throughput": 0.0}}
+    out = ratios(peers, [(8, 1), (8, 4), (64, 1), (64, 4)])
+    assert [c["kvlab_over_peer"] for c in out] == [{"a": 2.0, "b": 0.5}, {"a": None}, {"a": 3.0}, {}]
+    assert [c["best_peer"] for c in out] == [{"name": "b", "output_throughput": 20.0},
+                                             {"name": "a", "output_throughput": 0.0},
+                                             {"name": "a", "output_throughput": 3.0}, None]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -27,9 +27,9 @@ TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
 class Sweep:
     """What every peer is asked: the requests of each level and how they are sent."""
 
-    requests: list[SampleRequest]
+    workloads: dict[int, list[SampleRequest]]  # prompt length -> its requests (every level takes the first n)
     levels: list[int]
-    per_level: Callable[[int], int]  # requests sent at a level (the first n of `requests`)
+    per_level: Callable[[int], int]  # requests sent at a level
     endpoint: str = "/v1/completions"
     ignore_eos: bool = True
     seed: int = 0
@@ -59,7 +59,8 @@ class _Entry:
             self.startup_s = self.running.startup_s
             self.model = _first_model(self.running.base_url)
             config = _config(sweep, self.running.base_url, self.model, self.peer.vllm_extras)
-            self.extras, _ = asyncio.run(probe(config, sweep.requests[0]))  # also the warm-up request
+            first = next(iter(sweep.workloads.values()))[0]
+            self.extras, _ = asyncio.run(probe(config, first))  # also the warm-up request
         except BenchError as error:
             self.status, self.reason = "failed to start", str(error)
             say(f"{self.peer.name}: skipped: {error}")
@@ -70,11 +71,11 @@ class _Entry:
             f"{'sent' if self.extras else 'not sent'}")
         return True
 
-    def run_level(self, sweep: Sweep, level: int, tokenizer, on_done=None) -> dict:
+    def run_level(self, sweep: Sweep, input_len: int, level: int, tokenizer, on_done=None) -> dict:
         config = _config(sweep, self.running.base_url, self.model, self.extras)
-        requests = sweep.requests[:sweep.per_level(level)]
+        requests = sweep.workloads[input_len][:sweep.per_level(level)]
         outputs, duration = asyncio.run(run_level(config, requests, level, self.extras, on_done))
-        result = level_result(config, outputs, duration, level, tokenizer)
+        result = {"input_len": input_len, **level_result(config, outputs, duration, level, tokenizer)}
         result["requested_output_tokens"] = sum(r.expected_output_len for r in requests)
         if self.running.proc.poll() is not None:
             result["server_exited"] = self.running.proc.returncode
@@ -114,46 +115,51 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
         if entry.status == "skipped":
             say(f"{entry.peer.name}: skipped: {entry.reason}")
     live = [(e, port) for e, port in zip(entries, ports) if e.status == "pending"]
-    per_peer = sum(sweep.per_level(level) for level in sweep.levels)
+    cells = [(input_len, level) for input_len in sweep.workloads for level in sweep.levels]
+    per_peer = sum(sweep.per_level(level) for _, level in cells)
     tick = progress(per_peer * len(live)) if progress else None
     try:
         if one_at_a_time:
             for entry, port in live:
                 if entry.start(port, sweep, say):
-                    for level in sweep.levels:
-                        entry.run_level(sweep, level, tokenizer, tick)
+                    for input_len, level in cells:
+                        entry.run_level(sweep, input_len, level, tokenizer, tick)
                     entry.stop()
         else:
             started = [entry for entry, port in live if entry.start(port, sweep, say)]
-            for level in sweep.levels:
+            for input_len, level in cells:
                 for entry in started:
-                    entry.run_level(sweep, level, tokenizer, tick)
+                    entry.run_level(sweep, input_len, level, tokenizer, tick)
+                    say(f"{entry.peer.name}: prompt {input_len}, concurrency {level}: "
+                        f"{entry.runs[-1]['output_throughput']:.1f} output tok/s, {entry.runs[-1]['failed']} failed")
     finally:
         for entry, _ in live:
             entry.stop()
-    result = {"benchmark": "compare", "levels": sweep.levels, "order": "one peer at a time" if one_at_a_time
-              else "all peers up, each level run by every peer in turn",
+    result = {"benchmark": "compare", "input_lens": list(sweep.workloads), "levels": sweep.levels,
+              "order": "one peer at a time" if one_at_a_time else
+              "all peers up; each (prompt length, concurrency) cell run by every peer in turn",
               "peers": [entry.to_json() for entry in entries]}
-    result.update(ratios(result["peers"], sweep.levels))
+    result["cells"] = ratios(result["peers"], cells)
     return result
 
 
-def ratios(peers: list[dict], levels: Sequence[int]) -> dict:
-    """kvlab's output throughput over each other peer's, per level, and the best peer at each level."""
-    ran = {p["name"]: {r["max_concurrency"]: r for r in p.get("runs", [])} for p in peers if p["status"] == "ran"}
-    ours = ran.get("kvlab", {})
-    out: dict = {"kvlab_over_peer": {}, "best_peer": {}}
-    for level in levels:
-        mine = ours.get(level)
-        others = {name: runs[level] for name, runs in ran.items() if name != "kvlab" and level in runs}
+def ratios(peers: list[dict], cells: Sequence[tuple[int, int]]) -> list[dict]:
+    """Per (prompt length, concurrency): kvlab's output throughput over each other peer's, and the best peer."""
+    ran = {p["name"]: {(r["input_len"], r["max_concurrency"]): r for r in p.get("runs", [])}
+           for p in peers if p["status"] == "ran"}
+    out = []
+    for cell in cells:
+        mine = ran.get("kvlab", {}).get(cell)
+        others = {name: runs[cell] for name, runs in ran.items() if name != "kvlab" and cell in runs}
+        entry: dict = {"input_len": cell[0], "max_concurrency": cell[1], "kvlab_over_peer": {}, "best_peer": None}
         if others:
             best = max(others, key=lambda name: others[name]["output_throughput"])
-            out["best_peer"][str(level)] = {"name": best, "output_throughput": others[best]["output_throughput"]}
-        if mine is None:
-            continue
-        out["kvlab_over_peer"][str(level)] = {
-            name: (mine["output_throughput"] / run["output_throughput"] if run["output_throughput"] > 0 else None)
-            for name, run in others.items()}
+            entry["best_peer"] = {"name": best, "output_throughput": others[best]["output_throughput"]}
+        if mine is not None:
+            entry["kvlab_over_peer"] = {
+                name: (mine["output_throughput"] / run["output_throughput"] if run["output_throughput"] > 0 else None)
+                for name, run in others.items()}
+        out.append(entry)
     return out
 
 
@@ -162,19 +168,19 @@ def comparison_table(result: dict):
     from rich.table import Table
 
     table = Table(title="kvlab bench compare: same requests, same client, same run")
-    for title, justify in (("conc.", "right"), ("server", "left"), ("ok/failed", "right"), ("tokens back", "right"),
+    for title, justify in (("prompt", "right"), ("conc.", "right"), ("server", "left"), ("ok/failed", "right"), ("tokens back", "right"),
                            ("out tok/s", "right"), ("kvlab / it", "right"), ("TTFT mean", "right"),
                            ("TTFT p99", "right"), ("TPOT mean", "right"), ("TPOT p99", "right"),
                            ("ITL mean", "right")):
         table.add_column(title, justify=justify)
-    ratio = result.get("kvlab_over_peer", {})
-    for level in result["levels"]:
+    for cell in result["cells"]:
+        key = (cell["input_len"], cell["max_concurrency"])
         for peer in result["peers"]:
-            run = next((r for r in peer.get("runs", []) if r["max_concurrency"] == level), None)
+            run = next((r for r in peer.get("runs", []) if (r["input_len"], r["max_concurrency"]) == key), None)
             if run is None:
                 continue
-            r = ratio.get(str(level), {}).get(peer["name"])
-            table.add_row(str(level), peer["name"], f"{run['completed']}/{run['failed']}",
+            r = cell["kvlab_over_peer"].get(peer["name"])
+            table.add_row(str(key[0]), str(key[1]), peer["name"], f"{run['completed']}/{run['failed']}",
                           f"{run['total_output_tokens']}/{run['requested_output_tokens']}",
                           f"{run['output_throughput']:.1f}", "-" if r is None else f"{r:.2f}x",
                           *(_ms(run.get(key)) for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",

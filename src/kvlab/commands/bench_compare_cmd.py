@@ -49,7 +49,8 @@ def add_parser(benches) -> None:
                       help="requests per level: N, or Kx for K times the concurrency, at least 4 (default 2x)")
     work.add_argument("--max-concurrency", type=concurrency_list, default=[1, 4, 16],
                       help="levels (default 1,4,16)")
-    work.add_argument("--input-len", type=positive_int, default=128, help="random: prompt tokens (default 128)")
+    work.add_argument("--input-len", type=concurrency_list, default=[128],
+                      help="random: prompt tokens; a list such as 128,1024 runs each (default 128)")
     work.add_argument("--output-len", type=positive_int, default=64, help="tokens asked for (default 64)")
     work.add_argument("--prefix-len", type=non_negative_int, help="random: shared prefix tokens (default 0); "
                       "prefix-repetition: the prefix (default 256)")
@@ -102,12 +103,13 @@ def run_compare(args: argparse.Namespace) -> int:
     per_level = (lambda level: max(4, number * level)) if kind == "x" else (lambda level: number)
     most = max(per_level(level) for level in args.max_concurrency)
     if args.dataset_name == "random":
-        requests = random_requests(most, args.input_len, args.output_len, 0.0, args.prefix_len or 0, args.seed,
-                                   tokenizer)
-    else:
-        requests = prefix_repetition_requests(most, 256 if args.prefix_len is None else args.prefix_len,
-                                              args.suffix_len, 1, args.output_len, args.seed, tokenizer)
-    sweep = Sweep(requests, list(args.max_concurrency), per_level, args.endpoint, args.dataset_name == "random",
+        workloads = {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
+                     for n in args.input_len}
+    else:  # the prompt is the prefix plus a suffix; --input-len does not apply
+        workloads = {(256 if args.prefix_len is None else args.prefix_len) + args.suffix_len:
+                     prefix_repetition_requests(most, 256 if args.prefix_len is None else args.prefix_len,
+                                                args.suffix_len, 1, args.output_len, args.seed, tokenizer)}
+    sweep = Sweep(workloads, list(args.max_concurrency), per_level, args.endpoint, True,
                   args.seed, args.request_timeout)
     ports = free_ports(len(args.peers) + len(args.peer))
     peers = _peers(args, gguf, hf_dir, ports)
@@ -123,14 +125,15 @@ def run_compare(args: argparse.Namespace) -> int:
                           "seed": args.seed, "requests_per_level": {str(c): per_level(c)
                                                                     for c in args.max_concurrency},
                           "threads": args.threads, "kvlab_args": args.kvlab_args,
-                          "ignore_eos": args.dataset_name == "random", "temperature": 0.0}
+                          "ignore_eos": "sent where the server takes it", "temperature": 0.0}
     result["provenance"] = provenance(args.threads)
     Console(width=150).print(comparison_table(result))
-    for level, best in result["best_peer"].items():
-        mine = result["kvlab_over_peer"].get(level, {}).get(best["name"])
+    for cell in result["cells"]:
+        best = cell["best_peer"]
+        mine = cell["kvlab_over_peer"].get(best["name"]) if best else None
         if mine is not None:
-            print(f"concurrency {level}: kvlab {mine:.2f}x the best peer ({best['name']}, "
-                  f"{best['output_throughput']:.1f} output tok/s)")
+            print(f"prompt {cell['input_len']}, concurrency {cell['max_concurrency']}: kvlab {mine:.2f}x the best "
+                  f"peer ({best['name']}, {best['output_throughput']:.1f} output tok/s)")
     if args.json:
         write_json(args.json, result)
         say(f"result written to {args.json}")
