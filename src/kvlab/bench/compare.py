@@ -168,8 +168,8 @@ def comparison_table(result: dict):
     from rich.table import Table
 
     table = Table(title="kvlab bench compare: same requests, same client, same run")
-    for title, justify in (("prompt", "right"), ("conc.", "right"), ("server", "left"), ("ok/failed", "right"), ("tokens back", "right"),
-                           ("out tok/s", "right"), ("kvlab / it", "right"), ("TTFT mean", "right"),
+    for title, justify in (("prompt", "right"), ("conc.", "right"), ("server", "left"), ("ok/failed", "right"),
+                           ("tokens back", "right"), ("out tok/s", "right"), ("kvlab / it", "right"), ("TTFT mean", "right"),
                            ("TTFT p99", "right"), ("TPOT mean", "right"), ("TPOT p99", "right"),
                            ("ITL mean", "right")):
         table.add_column(title, justify=justify)

@@ -101,9 +101,9 @@ def transformers_runner(gguf: str, dtype: torch.dtype) -> Callable[[list[list[in
 def llama_cpp_runner(gguf: str, threads: int) -> Optional[Callable[[list[list[int]], int], dict]]:
     from kvlab.bench.llama_cpp_batch import run_llama_cpp
 
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
 
     def run(prompts: list[list[int]], new_tokens: int) -> dict:

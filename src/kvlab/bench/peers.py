@@ -7,7 +7,7 @@ cancels the one streaming, and with `--interrupt_requests False`, where it seria
 the GGUF; transformers' `transformers serve --continuous-batching` and vLLM (from a venv of its
 own, scripts/setup_vllm_venv.sh) serve an HF directory exported from it (`hf_export`). A peer
 whose software is missing is skipped with the reason, never an error. `--peer NAME=COMMAND`
-adds any other server ({port}, {gguf}, {hf_dir} and {threads} are filled in).
+adds any other server ({port}, {gguf}, {hf_dir}, {threads} and {python} are filled in).
 """
 
 from __future__ import annotations
@@ -127,13 +127,16 @@ def known_peer(name: str, port: int, gguf: str, hf_dir: Optional[str], threads: 
 
 
 def custom_peer(spec: str, port: int, gguf: str, hf_dir: Optional[str], threads: int) -> Peer:
-    """`NAME=COMMAND` with {port}, {gguf}, {hf_dir}, {threads} filled in."""
+    """`NAME=COMMAND` with {port}, {gguf}, {hf_dir}, {threads} and {python} (this interpreter) filled in."""
     name, sep, command = spec.partition("=")
     if not sep or not name.strip() or not command.strip():
         raise BenchError(f"--peer takes NAME=COMMAND (with {{port}} in COMMAND), got {spec!r}")
     if "{port}" not in command:
         raise BenchError(f"--peer {name}: the command must listen on {{port}}")
-    filled = command.format(port=port, gguf=shlex.quote(gguf), hf_dir=shlex.quote(hf_dir or ""), threads=threads)
+    filled = command  # plain replacement, not str.format: a command may hold JSON such as --speculative-config
+    for key, value in (("{port}", str(port)), ("{gguf}", shlex.quote(gguf)), ("{hf_dir}", shlex.quote(hf_dir or "")),
+                       ("{threads}", str(threads)), ("{python}", shlex.quote(sys.executable))):
+        filled = filled.replace(key, value)
     return Peer(name.strip(), shlex.split(filled), "given with --peer")
 
 

@@ -32,7 +32,8 @@ def add_parser(benches) -> None:
                        help="of kvlab, llama.cpp (default interrupt_requests), llama.cpp-serial "
                             "(--interrupt_requests False), transformers, vllm (default: all)")
     peers.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
-                       help="another server to start: a command with {port} (and {gguf}, {hf_dir}, {threads})")
+                       help="another server to start: a command with {port} (and {gguf}, {hf_dir}, {threads}, "
+                            "{python})")
     peers.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                        help="threads for each server (default: the machine's cores)")
     peers.add_argument("--kv-cache-memory", default="1GiB", help="kvlab's KV pool (default 1GiB)")
