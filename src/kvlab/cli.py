@@ -25,7 +25,7 @@ COMMANDS = {
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
     "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
-    "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine), serve (a server under load)"),
+    "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare (peers)"),
 }
 
 
