@@ -126,10 +126,18 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
                         entry.run_level(sweep, input_len, level, tokenizer, tick)
                     entry.stop()
         else:
-            started = [entry for entry, port in live if entry.start(port, sweep, say)]
+            started = []
+            for entry, port in live:
+                if entry.start(port, sweep, say):
+                    entry.running.pause()
+                    started.append(entry)
             for input_len, level in cells:
                 for entry in started:
-                    entry.run_level(sweep, input_len, level, tokenizer, tick)
+                    entry.running.resume()
+                    try:
+                        entry.run_level(sweep, input_len, level, tokenizer, tick)
+                    finally:
+                        entry.running.pause()
                     say(f"{entry.peer.name}: prompt {input_len}, concurrency {level}: "
                         f"{entry.runs[-1]['output_throughput']:.1f} output tok/s, {entry.runs[-1]['failed']} failed")
     finally:
@@ -137,7 +145,7 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
             entry.stop()
     result = {"benchmark": "compare", "input_lens": list(sweep.workloads), "levels": sweep.levels,
               "order": "one peer at a time" if one_at_a_time else
-              "all peers up; each (prompt length, concurrency) cell run by every peer in turn",
+              "all peers up; each (prompt length, concurrency) cell run by every peer in turn, the others paused",
               "peers": [entry.to_json() for entry in entries]}
     result["cells"] = ratios(result["peers"], cells)
     return result

@@ -174,8 +174,21 @@ class Running:
             return "(no log)"
         return " | ".join(text[-lines:]) or "(empty log)"
 
+    def pause(self) -> None:
+        """SIGSTOP its process group while another server is measured: an idle server must not take CPU
+        (transformers' continuous-batching server keeps a core busy when it has nothing to do)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM to its process group (vLLM and transformers start children), SIGKILL after `timeout`."""
+        self.resume()  # a stopped process would hold the SIGTERM until continued
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
