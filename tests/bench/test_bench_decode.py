@@ -63,3 +63,14 @@ def test_a_context_beyond_the_model_is_one_line_exit_2(capsys):
                  "--no-llama-cpp"]) == 2
     err = capsys.readouterr().err
     assert "exceeds the model's" in err and len(err.strip().splitlines()) == 1
+
+
+def test_batch_1_race_is_decode_speeds_benchmark(tmp_path, capsys):
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    out = tmp_path / "race.json"
+    assert main(["bench", "decode", str(STORIES), "--batch-1-race", "--no-transformers", "--new-tokens", "5",
+                 "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "decode_speed" and result["new_tokens"] == 5 and result["repeats"] == 2
+    assert all(len(run["seconds"]) == 2 and len(run["ids"]) == 5 for run in result["runs"])
+    assert "tok/s (median)" in capsys.readouterr().out

@@ -41,10 +41,23 @@ def add_parser(benches) -> None:
                    help="memory bandwidth for the roofline (default: measured once, kept in ~/.cache/kvlab)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--json", metavar="PATH", help="write every point of every engine, with provenance")
+    p.add_argument("--batch-1-race", action="store_true",
+                   help="instead: batch-1 greedy decode with the prompt included, kvlab fused and module by module "
+                        "against transformers fp32 and bf16, --repeats timed runs each in turns "
+                        "(kvlab.bench.decode_speed, what reports/decode_speed shows)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="--batch-1-race: timed runs (default 3)")
     p.set_defaults(run=run_decode)
 
 
 def run_decode(args: argparse.Namespace) -> int:
+    if args.batch_1_race:
+        from kvlab.bench.decode_speed import main as race_main
+
+        new_tokens = 128 if args.new_tokens == 16 else args.new_tokens  # the race's own default
+        argv = ["--model", args.model, "--new-tokens", str(new_tokens), "--repeats", str(args.repeats)]
+        argv += (["--threads", str(args.threads)] if args.threads else []) + \
+            (["--json", args.json] if args.json else []) + ([] if args.transformers else ["--skip-transformers"])
+        return race_main(argv)
     import torch
     from rich.console import Console
 
