@@ -13,6 +13,7 @@ per level, from this run.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -74,9 +75,11 @@ class _Entry:
     def run_level(self, sweep: Sweep, input_len: int, level: int, tokenizer, on_done=None) -> dict:
         config = _config(sweep, self.running.base_url, self.model, self.extras)
         requests = sweep.workloads[input_len][:sweep.per_level(level)]
+        load = os.getloadavg()[0]  # kept with the result: a busy machine shows here
         outputs, duration = asyncio.run(run_level(config, requests, level, self.extras, on_done))
         result = {"input_len": input_len, **level_result(config, outputs, duration, level, tokenizer)}
         result["requested_output_tokens"] = sum(r.expected_output_len for r in requests)
+        result["load_average_1m_before"] = round(load, 2)
         if self.running.proc.poll() is not None:
             result["server_exited"] = self.running.proc.returncode
         self.runs.append(result)
