@@ -24,7 +24,8 @@ def test_vllm_bench_serve_has_no_failures_against_kvlab_and_agrees_with_kvlab_be
     if not os.access(vllm_python(), os.X_OK):
         missing(f"the vLLM venv at {vllm_python()} (scripts/setup_vllm_venv.sh)")
     result = interop(num_prompts=12, concurrency=4, input_len=128, output_len=24, prefix_len=256)
-    assert [p["dataset"] for p in result["pairs"]] == ["random", "prefix_repetition"]
+    assert [(p["dataset"], p["endpoint"]) for p in result["pairs"]] == [
+        ("random", "/v1/completions"), ("prefix_repetition", "/v1/completions"), ("random", "/v1/chat/completions")]
     for pair in result["pairs"]:
         for client in ("vllm", "kvlab"):
             assert (pair[client]["completed"], pair[client]["failed"]) == (12, 0), pair

@@ -6,6 +6,7 @@ Users compare engines with `vllm bench serve`, so kvlab's server must pass it. T
 `kvlab serve MODEL` and, for each of vLLM's `random` and `prefix_repetition` datasets, runs
 vLLM's benchmark (`vllm.benchmarks.serve`'s `add_cli_args` + `main`, from the vLLM venv that
 scripts/setup_vllm_venv.sh builds: its `vllm` console script fails looking up its own version)
+(and `random` once more on /v1/chat/completions, vLLM's openai-chat backend)
 and then `kvlab bench serve` with the same lengths, seed, concurrency and prompt count; each
 pair's TTFT, TPOT and output throughput are set side by side as ratios. vLLM's client always
 streams (its request functions send `stream: true` and parse server-sent events), so the
@@ -126,13 +127,14 @@ def interop(model: str = "smollm2-135m", vllm_python: Optional[str] = None, num_
     pairs, unstreamed = [], {}
     try:
         with tempfile.TemporaryDirectory(prefix="kvlab-interop-") as workdir:
-            for dataset in ("random", "prefix_repetition"):
+            for dataset, endpoint in (("random", "/v1/completions"), ("prefix_repetition", "/v1/completions"),
+                                      ("random", "/v1/chat/completions")):
                 theirs_flags, ours_flags = dataset_flags(dataset, input_len, output_len, prefix_len)
                 theirs = run_vllm_bench(python, server.base_url, "kvlab-bench", hf_dir, theirs_flags, num_prompts,
-                                        concurrency, seed, workdir)
+                                        concurrency, seed, workdir, endpoint)
                 ours = run_kvlab_bench(server.base_url, "kvlab-bench", gguf, ours_flags, num_prompts, concurrency,
-                                       seed, workdir)
-                pairs.append(_pair(dataset, theirs, ours, num_prompts * output_len))
+                                       seed, workdir, endpoint)
+                pairs.append({"endpoint": endpoint, **_pair(dataset, theirs, ours, num_prompts * output_len)})
             from kvlab.bench.serve_data import load_tokenizer, random_requests
             prompts = [r.prompt for r in random_requests(num_prompts, input_len, output_len, 0.0, 0, seed,
                                                          load_tokenizer(gguf))]
@@ -179,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      args.output_len, args.prefix_len, args.seed, args.threads, args.tolerance)
     for pair in result["pairs"]:
         v, k = pair["vllm"], pair["kvlab"]
-        print(f"{pair['dataset']}: vllm bench serve {v['completed']} ok / {v['failed']} failed, "
+        print(f"{pair['dataset']} {pair['endpoint']}: vllm bench serve {v['completed']} ok / {v['failed']} failed, "
               f"{v['output_throughput']:.1f} tok/s, TTFT {v['mean_ttft_ms']:.0f} ms, TPOT {v['mean_tpot_ms']:.1f} ms; "
               f"kvlab bench serve {k['completed']} ok / {k['failed']} failed, {k['output_throughput']:.1f} tok/s, "
               f"TTFT {k['mean_ttft_ms']:.0f} ms, TPOT {k['mean_tpot_ms']:.1f} ms; ratios "
