@@ -46,8 +46,8 @@ def _run(peer: dict, cell: dict) -> Optional[dict]:
 def compare_table(result: dict) -> list[str]:
     """A row per (prompt, concurrency, server): the figures and kvlab's same-run ratio to it."""
     lines = ["| prompt | conc. | server | ok / failed | tokens back / asked | output tok/s | kvlab / it | "
-             "TTFT mean | TTFT p99 | TPOT mean | TPOT p99 | ITL mean |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT mean | TTFT p99 | TPOT mean | TPOT p99 | ITL mean | load before |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cell in result["cells"]:
         for peer in result["peers"]:
             run = _run(peer, cell)
@@ -59,7 +59,8 @@ def compare_table(result: dict) -> list[str]:
                          f"{run['failed']} | {run['total_output_tokens']} / {run['requested_output_tokens']} | "
                          f"{run['output_throughput']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
                          + " | ".join(_ms(run.get(k)) for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-                                                                "p99_tpot_ms", "mean_itl_ms")) + " |")
+                                                                "p99_tpot_ms", "mean_itl_ms"))
+                         + f" | {run.get('load_average_1m_before', '-')} |")
     return lines
 
 
@@ -197,7 +198,10 @@ def render(folder: Path) -> str:
              "without them and may stop early: the *tokens back* column shows what came back). All servers are up "
              "at once and take turns at each (prompt length, concurrency) cell, so the ratios compare like with "
              "like within one run. kvlab and llama.cpp serve the same Q4_1 GGUF; transformers and vLLM serve "
-             "kvlab's HF export of it (bf16). Requests per level: max(4, concurrency). Times in ms.", ""]
+             "kvlab's HF export of it (bf16). Requests per level: max(4, concurrency). Times in ms. *load before* is "
+             "the machine's 1-minute load average as the cell began: this 2-core machine is shared, and a figure "
+             "well above 1 means other work ran beside the benchmark (the lock every benchmark here takes does not "
+             "bind every process), so compare ratios within a cell rather than figures across runs.", ""]
     for length in (128, 1024):
         result = _load(folder, f"compare_peers{length}.json")
         lines += [f"## Peers, {length}-token prompts", ""]
