@@ -121,6 +121,7 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
     cells = [(input_len, level) for input_len in sweep.workloads for level in sweep.levels]
     per_peer = sum(sweep.per_level(level) for _, level in cells)
     tick = progress(per_peer * len(live)) if progress else None
+    interrupted = False
     try:
         if one_at_a_time:
             for entry, port in live:
@@ -143,10 +144,13 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
                         entry.running.pause()
                     say(f"{entry.peer.name}: prompt {input_len}, concurrency {level}: "
                         f"{entry.runs[-1]['output_throughput']:.1f} output tok/s, {entry.runs[-1]['failed']} failed")
+    except KeyboardInterrupt:  # Ctrl-C: keep what was measured, say it is partial
+        interrupted = True
+        say("interrupted: the result holds the cells measured so far")
     finally:
         for entry, _ in live:
             entry.stop()
-    result = {"benchmark": "compare", "input_lens": list(sweep.workloads), "levels": sweep.levels,
+    result = {"benchmark": "compare", "interrupted": interrupted, "input_lens": list(sweep.workloads), "levels": sweep.levels,
               "order": "one peer at a time" if one_at_a_time else
               "all peers up; each (prompt length, concurrency) cell run by every peer in turn, the others paused",
               "peers": [entry.to_json() for entry in entries]}

@@ -137,8 +137,8 @@ def run_compare(args: argparse.Namespace) -> int:
                   f"peer ({best['name']}, {best['output_throughput']:.1f} output tok/s)")
     if args.json:
         write_json(args.json, result)
-        say(f"result written to {args.json}")
-    return 0
+        say(f"result written to {args.json}" + (" (partial: interrupted)" if result["interrupted"] else ""))
+    return 130 if result["interrupted"] else 0
 
 
 def write_json(path: str, data: dict) -> None:

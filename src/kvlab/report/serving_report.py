@@ -38,6 +38,10 @@ def _prov(result: dict) -> str:
             f"cores, {prov['machine']['torch_threads']} threads)")
 
 
+def _partial(result: dict) -> str:
+    return " The run was interrupted: only the cells below were measured." if result.get("interrupted") else ""
+
+
 def _run(peer: dict, cell: dict) -> Optional[dict]:
     return next((r for r in peer.get("runs", []) if r.get("input_len") == cell["input_len"]
                  and r["max_concurrency"] == cell["max_concurrency"]), None)
@@ -103,7 +107,7 @@ def variant_section(result: Optional[dict], title: str, what: str, name: str) ->
     lines = [f"## {title}", ""]
     if result is None:
         return lines + [f"Not measured yet: `PIECES={name} scripts/serving_report.sh`.", ""]
-    return lines + [what, "", f"Measured at {_prov(result)}.", "", *compare_table(result), "", *peers_notes(result),
+    return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "", *peers_notes(result),
                     ""]
 
 
@@ -208,7 +212,8 @@ def render(folder: Path) -> str:
         if result is None:
             lines += [f"Not measured yet: `PIECES=peers{length} scripts/serving_report.sh`.", ""]
             continue
-        lines += [f"Measured at {_prov(result)}.", "", *compare_table(result), "", *peers_notes(result), "",
+        lines += [f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+                  *peers_notes(result), "",
                   *target_lines(result), ""]
     lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",
                              "`kvlab serve` three times, `--kv-cache-dtype fp16` (`kvlab`), `fp8` and `int8`, taking "
