@@ -107,7 +107,8 @@ def variant_section(result: Optional[dict], title: str, what: str, name: str) ->
     lines = [f"## {title}", ""]
     if result is None:
         return lines + [f"Not measured yet: `PIECES={name} scripts/serving_report.sh`.", ""]
-    return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "", *peers_notes(result),
+    return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+                    *peers_notes(result),
                     ""]
 
 
@@ -161,6 +162,31 @@ def reliability_lines(r: Optional[dict]) -> list[str]:
         f"The server generated {r['generation_tokens_during_load']:,.0f} tokens during the load; the clients counted "
         f"{r['client_counted_output_tokens']:,} in completed requests (the difference went to clients that hung up). "
         f"Output throughput {r['output_throughput']:.0f} tok/s, p99 end-to-end latency {r['p99_e2el_ms']:.0f} ms.", ""]
+
+
+def interop_lines(r: Optional[dict]) -> list[str]:
+    lines = ["## vLLM's own client against kvlab serve", ""]
+    if r is None:
+        return lines + ["Not measured yet: `python -m kvlab.bench.vllm_interop --json "
+                        "reports/serving/vllm_interop.json` (needs the vLLM venv).", ""]
+    lines += [f"`python -m kvlab.bench.vllm_interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
+              f"serve` on the same workload and seed against one `kvlab serve {r['model']}`, {r['num_prompts']} "
+              f"requests at concurrency {r['max_concurrency']}, {r['output_len']} tokens each ({_prov(r)}).", "",
+              "| dataset | endpoint | vLLM client ok / failed | kvlab client ok / failed | tokens (vLLM, kvlab) | "
+              "vLLM / kvlab: output tok/s | mean TTFT | median TTFT | mean TPOT | median TPOT | mean ITL |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in r["pairs"]:
+        v, k, q = p["vllm"], p["kvlab"], p["vllm_over_kvlab"]
+        lines.append(f"| {p['dataset']} | {p.get('endpoint', '/v1/completions')} | {v['completed']} / {v['failed']} | "
+                     f"{k['completed']} / {k['failed']} | {v['total_output_tokens']}, {k['total_output_tokens']} | "
+                     + " | ".join("-" if q[m] is None else f"{q[m]:.2f}" for m in
+                                  ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                   "median_tpot_ms", "mean_itl_ms")) + " |")
+    u = r["unstreamed"]
+    lines += ["", f"Unstreamed (`stream: false`, the openai client): {u['requests'] - u['failed']} ok, {u['failed']} "
+              f"failed, completion tokens {sorted(set(u['completion_tokens']))}. Verdict with tolerance "
+              f"{r['tolerance']}x on every ratio: **{'passed' if r['passed'] else 'failed'}**.", ""]
+    return lines
 
 
 def decode_lines(d: Optional[dict]) -> list[str]:
@@ -223,6 +249,7 @@ def render(folder: Path) -> str:
                              "`kvlab serve` without (`kvlab`) and with `--speculative-config '{\"method\": \"ngram\", "
                              "\"num_speculative_tokens\": 4}'` on the random workload, taking turns. Random prompts "
                              "give n-gram lookup little to find, so this is its cost when it cannot help.", "spec")
+    lines += interop_lines(_load(folder, "vllm_interop.json"))
     lines += reliability_lines(_load(folder, "reliability.json"))
     lines += decode_lines(_load(folder, "decode_sweep.json"))
     lines += ["## For users who scale out", "",
