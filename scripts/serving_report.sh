@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates reports/serving/: every JSON file, then README.md from them (kvlab.report.serving_report).
 #
-#   scripts/serving_report.sh                      # everything (about 15 minutes on 2 cores)
+#   scripts/serving_report.sh                      # everything (see reports/serving/README.md for the cost)
 #   PIECES="kv spec" scripts/serving_report.sh     # only some pieces, then the README again
 #
 # Pieces (each its own JSON, each under the heavy lock so timings stay honest):
@@ -9,6 +9,7 @@
 #   kv                  kvlab with fp16, fp8 and int8 KV caches          prefix  prefix caching on/off, served
 #   spec                speculative decoding (ngram) on/off              ttft    engine-level prefix TTFT (prefix_ttft)
 #   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
+#   interop             vLLM's own `vllm bench serve` against kvlab serve, beside kvlab bench serve
 #   decode              offline decode/prefill vs batch and context (kvlab bench decode)
 # vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
 set -euo pipefail
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 kv prefix spec ttft reliability decode"}
+PIECES=${PIECES:-"peers128 peers1024 kv prefix spec ttft reliability interop decode"}
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
 SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
@@ -44,6 +45,9 @@ for piece in $PIECES; do
         "${LOCK[@]}" python3 -m kvlab.bench.prefix_ttft --model "$MODEL" --json "$OUT/prefix_ttft_smollm2.json" ;;
     reliability)
         "${LOCK[@]}" python3 -m kvlab.bench.reliability_figures --model "$MODEL" --json "$OUT/reliability.json" ;;
+    interop)
+        "${LOCK[@]}" python3 -m kvlab.bench.vllm_interop --model "$MODEL" --num-prompts 12 --output-len 24 \
+            --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
     decode)
         "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --json "$OUT/decode_sweep.json" ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;

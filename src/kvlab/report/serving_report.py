@@ -219,14 +219,16 @@ def decode_lines(d: Optional[dict]) -> list[str]:
 def render(folder: Path) -> str:
     lines = ["# Serving: kvlab against llama.cpp's, transformers' and vLLM's servers (SmolLM2-135M-Instruct)", "",
              "<!-- Written by `python -m kvlab.report.serving_report` from the JSON files here. -->", "",
-             "Regenerate everything (each piece under `flock /tmp/kvlab-heavy.lock`, about 15 minutes on 2 cores; "
-             "`PIECES=\"kv spec\"` runs some):", "", "```bash", "scripts/setup_vllm_venv.sh   # once: the vLLM peer",
+             "Regenerate everything (each piece under `flock /tmp/kvlab-heavy.lock`; `PIECES=\"kv spec\"` runs "
+             "some). The 1,024-token sweep prefills about 57,000 prompt tokens per server and is by far the longest "
+             "piece; vLLM compiles for 2.5-6 minutes each time it starts:", "", "```bash", "scripts/setup_vllm_venv.sh   # once: the vLLM peer",
              "scripts/serving_report.sh", "```", "",
              "Every server gets the same requests from one seed, through the same client (`kvlab bench serve`'s, "
              "streaming, vLLM's metric definitions), greedy, asking for exactly the output length (ignore_eos where "
              "the server takes it; transformers' server refuses vLLM's extra fields with a 422, so it is asked "
              "without them and may stop early: the *tokens back* column shows what came back). All servers are up "
-             "at once and take turns at each (prompt length, concurrency) cell, so the ratios compare like with "
+             "at once and take turns at each (prompt length, concurrency) cell, the others paused (SIGSTOP), so the "
+             "ratios compare like with "
              "like within one run. kvlab and llama.cpp serve the same Q4_1 GGUF; transformers and vLLM serve "
              "kvlab's HF export of it (bf16). Requests per level: max(4, concurrency). Times in ms. *load before* is "
              "the machine's 1-minute load average as the cell began: this 2-core machine is shared, and a figure "
