@@ -221,7 +221,8 @@ def render(folder: Path) -> str:
              "<!-- Written by `python -m kvlab.report.serving_report` from the JSON files here. -->", "",
              "Regenerate everything (each piece under `flock /tmp/kvlab-heavy.lock`; `PIECES=\"kv spec\"` runs "
              "some). The 1,024-token sweep prefills about 57,000 prompt tokens per server and is by far the longest "
-             "piece; vLLM compiles for 2.5-6 minutes each time it starts:", "", "```bash", "scripts/setup_vllm_venv.sh   # once: the vLLM peer",
+             "piece; vLLM compiles for 2.5-6 minutes each time it starts:", "", "```bash",
+             "scripts/setup_vllm_venv.sh   # once: the vLLM peer",
              "scripts/serving_report.sh", "```", "",
              "Every server gets the same requests from one seed, through the same client (`kvlab bench serve`'s, "
              "streaming, vLLM's metric definitions), greedy, asking for exactly the output length (ignore_eos where "
