@@ -28,8 +28,8 @@ COMMANDS = {
     "convert": ("convert_cmd", "convert a real checkpoint's KV heads (MHA/GQA/MQA) and write it for transformers/llama.cpp"),
     "uptrain": ("uptrain_cmd", "distil a converted model from its source (KL on teacher logits + LM loss)"),
     "export": ("export_cmd", "the vllm serve command for a converted model, and the capacity vLLM will log"),
-    "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine), serve (a server under load)"),
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
+    "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare (peers)"),
 }
 
 

@@ -80,3 +80,18 @@ class FakeServer:
     def __exit__(self, *exc) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def main() -> None:
+    """`python fake_server.py PORT [--strict]`: serve until killed (a peer for `kvlab bench compare`'s tests)."""
+    import sys
+
+    server = FakeServer(ttft_s=0.02, gap_s=0.005, strict="--strict" in sys.argv)
+    server.httpd.server_close()
+    server.httpd = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), server.httpd.RequestHandlerClass)
+    server.httpd.daemon_threads = True
+    server.httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

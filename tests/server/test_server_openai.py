@@ -92,6 +92,17 @@ def test_sampling_extras_stop_and_logprobs(client):
     assert seeded[0] == seeded[1]
 
 
+def test_vllm_bench_serves_completion_body_is_accepted(server):
+    """The body vllm bench serve's openai backend sends (repetition_penalty 1.0, logprobs null, its extras)."""
+    body = {"model": "test-model", "prompt": "Once upon a time", "repetition_penalty": 1.0, "max_tokens": 5,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert reply.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 5
+
+
 def test_chat_without_a_template_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
@@ -106,6 +117,7 @@ def test_chat_without_a_template_is_a_400(client):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": 7}, "prompt"),
     ({"prompt": "x", "no_such_field": 1}, "no_such_field"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
 ])
 def test_bad_bodies_are_400_in_openai_shape(server, body, param):
     reply = httpx.post(server.base + "/v1/completions", json={"model": "test-model", **body})

@@ -1,6 +1,9 @@
 """Batch-1 greedy decode speed: kvlab against transformers `generate`, same weights, same run.
 
-    python -m kvlab.bench.decode_speed [--json PATH] [--new-tokens 128] [--repeats 3]
+    kvlab bench decode MODEL --batch-1-race [--json PATH] [--new-tokens 128] [--repeats 3]
+    python -m kvlab.bench.decode_speed [--json PATH] [--new-tokens 128] [--repeats 3]   (the same)
+
+`kvlab bench decode` without --batch-1-race sweeps batch and context (kvlab.bench.decode_sweep).
 
 Both load SmolLM2-135M-Instruct from the same Q4_1 GGUF (transformers with `gguf_file=`),
 take the same prompt (24 tokens with SmolLM2's tokenizer; at most 32 are kept) and produce exactly `--new-tokens` tokens greedily; each

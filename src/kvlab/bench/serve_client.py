@@ -5,7 +5,7 @@ request is sent; TTFT is the first chunk that carries a choice; each later such 
 inter-token latency; the request's latency (E2EL) ends at the last token chunk, not at the
 trailing usage chunk. One difference: a chat stream's opening chunk that holds only the role
 (empty content, no finish reason) is not a token. vLLM's server sends it with the first
-token, but a server that sends it at once (kvlab's does) would otherwise show a TTFT of ~0.
+token, but a server that sends it at once (kvlab's did) would otherwise show a TTFT of ~0.
 A request succeeds when it streamed at least one token and ended cleanly. A request the client itself abandons (`disconnect_after`) is `cancelled`, neither
 completed nor failed; every other outcome is counted, with its HTTP status and error.
 """

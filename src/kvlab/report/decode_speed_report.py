@@ -43,8 +43,8 @@ def render(folder: Path) -> str:
         "# Batch-1 greedy decode: kvlab against transformers (SmolLM2-135M-Instruct, Q4_1 GGUF)", "",
         "<!-- Written by `python -m kvlab.report.decode_speed_report` from the JSON files here; edit notes.md. -->", "",
         "Regenerate (each about 100 s here), then rewrite this page:", "", "```bash",
-        *[f"python -m kvlab.bench.decode_speed --threads {label.split()[0]} --json reports/decode_speed/{name}"
-          for label, name in RUNS],
+        *[f"kvlab bench decode smollm2-135m --batch-1-race --threads {label.split()[0]} "
+          f"--json reports/decode_speed/{name}" for label, name in RUNS],
         "python -m kvlab.report.decode_speed_report reports/decode_speed", "```", "",
         f"Same GGUF file for every engine (transformers via `gguf_file=`), the same {first['prompt_tokens']}-token "
         f"prompt, exactly {first['new_tokens']} new tokens, prefill included in the time, "

@@ -150,12 +150,16 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
         def chunk(choices: list, **extra) -> str:
             return "data: " + json.dumps({"id": request_id, "object": kind, "created": created,
                                           "model": served_model_name, "choices": choices, **extra}) + "\n\n"
+        # A chat stream's role-only chunk goes out with the first result, after the prefill, as vLLM's server
+        # sends it: a client timing TTFT from the first chunk (vllm bench serve's openai-chat) then reads it true.
+        opening = chat
         try:
-            if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
             while True:
                 delta = await queue.get()
+                if opening:
+                    opening = False
+                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
                 tokens += len(delta.token_ids)
                 if delta.error:
                     yield "data: " + json.dumps(error_body(f"the model failed on this request: {delta.error}",

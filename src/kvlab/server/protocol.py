@@ -42,6 +42,7 @@ class _Sampling(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    repetition_penalty: float = 1.0  # vllm bench serve's completions requests always send 1.0
 
     def sampling(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         if self.n != 1:
@@ -50,6 +51,8 @@ class _Sampling(BaseModel):
             raise RequestError("presence_penalty and frequency_penalty are not supported", "presence_penalty")
         if self.min_tokens:
             raise RequestError("min_tokens is not supported", "min_tokens")
+        if self.repetition_penalty != 1.0:
+            raise RequestError("only repetition_penalty=1.0 (none) is supported", "repetition_penalty")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Regenerates reports/serving/: every JSON file, then README.md from them (kvlab.report.serving_report).
+#
+#   scripts/serving_report.sh                      # everything (see reports/serving/README.md for the cost)
+#   PIECES="kv spec" scripts/serving_report.sh     # only some pieces, then the README again
+#
+# Pieces (each its own JSON, each under the heavy lock so timings stay honest):
+#   peers128 peers1024  kvlab vs llama.cpp (both interrupt modes), transformers and vLLM servers, one prompt length
+#   kv                  kvlab with fp16, fp8 and int8 KV caches          prefix  prefix caching on/off, served
+#   spec                speculative decoding (ngram) on/off              ttft    engine-level prefix TTFT (prefix_ttft)
+#   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
+#   interop             vLLM's own `vllm bench serve` against kvlab serve, beside kvlab bench serve
+#   decode              offline decode/prefill vs batch and context (kvlab bench decode)
+# vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT=reports/serving
+MODEL=${MODEL:-smollm2-135m}
+PIECES=${PIECES:-"peers128 peers1024 kv prefix spec ttft reliability interop decode"}
+LOCK=(flock /tmp/kvlab-heavy.lock)
+KVLAB=(python3 -m kvlab.cli)
+SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
+COMMON=(--num-prompts 1x --output-len 24 --disable-tqdm)
+mkdir -p "$OUT"
+for piece in $PIECES; do
+    echo "== $piece" >&2
+    case $piece in
+    peers128|peers1024)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --input-len "${piece#peers}" --max-concurrency 1,4,16,32 \
+            "${COMMON[@]}" --json "$OUT/compare_$piece.json" ;;
+    kv)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \
+            --peer "kvlab-fp8=$SERVE --kv-cache-dtype fp8" --peer "kvlab-int8=$SERVE --kv-cache-dtype int8" \
+            --input-len 128,1024 --max-concurrency 1,16 "${COMMON[@]}" --json "$OUT/compare_kv.json" ;;
+    prefix)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab \
+            --peer "kvlab-no-prefix-cache=$SERVE --no-enable-prefix-caching" --dataset-name prefix-repetition \
+            --prefix-len 512 --suffix-len 16 --max-concurrency 1,16 "${COMMON[@]}" --json "$OUT/compare_prefix.json" ;;
+    spec)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab \
+            --peer "kvlab-ngram-spec=$SERVE --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'" \
+            --input-len 128 --max-concurrency 1,16 "${COMMON[@]}" --json "$OUT/compare_spec.json" ;;
+    ttft)
+        "${LOCK[@]}" python3 -m kvlab.bench.prefix_ttft --model "$MODEL" --json "$OUT/prefix_ttft_smollm2.json" ;;
+    reliability)
+        "${LOCK[@]}" python3 -m kvlab.bench.reliability_figures --model "$MODEL" --json "$OUT/reliability.json" ;;
+    interop)
+        "${LOCK[@]}" python3 -m kvlab.bench.vllm_interop --model "$MODEL" --num-prompts 12 --output-len 24 \
+            --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
+    decode)
+        "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --json "$OUT/decode_sweep.json" ;;
+    *) echo "unknown piece $piece" >&2; exit 2 ;;
+    esac
+done
+python3 -m kvlab.report.serving_report "$OUT"

@@ -1,0 +1,280 @@
+"""reports/serving/README.md, written from the JSON files beside it and nothing else.
+
+    python -m kvlab.report.serving_report [reports/serving]
+
+scripts/serving_report.sh measures every piece (each under the heavy lock) and then calls
+this; a piece whose JSON is missing is named as not measured. Every figure and ratio below
+is read from the JSON that `kvlab bench compare`, `kvlab bench decode`,
+kvlab.bench.prefix_ttft and kvlab.bench.reliability_figures wrote, so the words cannot drift
+from the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+TARGET_LEVEL, TARGET_RATIO = 16, 5.0
+
+
+def _load(folder: Path, name: str) -> Optional[dict]:
+    path = folder / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _prov(result: dict) -> str:
+    prov = result["provenance"]
+    commit = (prov.get("git_commit") or "unknown")[:7]
+    dirty = prov.get("git_dirty_files") or []
+    edited = f" with {', '.join(dirty)} edited" if dirty else ""
+    return (f"commit {commit}{edited}, {prov['time_utc']}, {prov['machine']['cpu']} ({prov['machine']['cores']} "
+            f"cores, {prov['machine']['torch_threads']} threads)")
+
+
+def _partial(result: dict) -> str:
+    return " The run was interrupted: only the cells below were measured." if result.get("interrupted") else ""
+
+
+def _run(peer: dict, cell: dict) -> Optional[dict]:
+    return next((r for r in peer.get("runs", []) if r.get("input_len") == cell["input_len"]
+                 and r["max_concurrency"] == cell["max_concurrency"]), None)
+
+
+def compare_table(result: dict) -> list[str]:
+    """A row per (prompt, concurrency, server): the figures and kvlab's same-run ratio to it."""
+    lines = ["| prompt | conc. | server | ok / failed | tokens back / asked | output tok/s | kvlab / it | "
+             "TTFT mean | TTFT p99 | TPOT mean | TPOT p99 | ITL mean | load before |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for cell in result["cells"]:
+        for peer in result["peers"]:
+            run = _run(peer, cell)
+            if run is None:
+                continue
+            ratio = cell["kvlab_over_peer"].get(peer["name"])
+            name = f"**{peer['name']}**" if peer["name"] == "kvlab" else peer["name"]
+            lines.append(f"| {cell['input_len']} | {cell['max_concurrency']} | {name} | {run['completed']} / "
+                         f"{run['failed']} | {run['total_output_tokens']} / {run['requested_output_tokens']} | "
+                         f"{run['output_throughput']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
+                         + " | ".join(_ms(run.get(k)) for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                                                                "p99_tpot_ms", "mean_itl_ms"))
+                         + f" | {run.get('load_average_1m_before', '-')} |")
+    return lines
+
+
+def peers_notes(result: dict) -> list[str]:
+    lines = []
+    for peer in result["peers"]:
+        if peer["status"] != "ran":
+            lines.append(f"- {peer['name']}: {peer['status']}: {peer['reason']}")
+        else:
+            lines.append(f"- {peer['name']}: {peer['note']}; up in {peer['startup_s']:.0f} s; vLLM's extra fields "
+                         f"(ignore_eos, stream_options) {'sent' if peer['vllm_extras'] else 'not sent'}.")
+    return lines
+
+
+def target_lines(result: dict) -> list[str]:
+    """The issue's target at concurrency 16: kvlab >= 5x the best peer, p99 TTFT and TPOT no worse than any."""
+    lines = []
+    kvlab = next((p for p in result["peers"] if p["name"] == "kvlab" and p["status"] == "ran"), None)
+    for cell in result["cells"]:
+        if cell["max_concurrency"] != TARGET_LEVEL or kvlab is None or not cell["best_peer"]:
+            continue
+        best = cell["best_peer"]
+        ratio = cell["kvlab_over_peer"].get(best["name"])
+        mine = _run(kvlab, cell)
+        others = [(_run(p, cell), p["name"]) for p in result["peers"] if p["name"] != "kvlab"]
+        others = [(r, n) for r, n in others if r is not None and r["completed"]]
+        worse = [f"{n} ({metric} {r[f'p99_{metric}_ms']:.0f} ms)" for r, n in others for metric in ("ttft", "tpot")
+                 if r.get(f"p99_{metric}_ms") is not None and mine.get(f"p99_{metric}_ms") is not None
+                 and mine[f"p99_{metric}_ms"] > r[f"p99_{metric}_ms"]]
+        verdict = "met" if ratio is not None and ratio >= TARGET_RATIO else "NOT met"
+        lines.append(f"- prompt {cell['input_len']}, concurrency {TARGET_LEVEL}: kvlab {mine['output_throughput']:.1f} "
+                     f"output tok/s, **{ratio:.2f}x** the best peer ({best['name']}, "
+                     f"{best['output_throughput']:.1f} tok/s): the {TARGET_RATIO:g}x target is {verdict}. kvlab's p99 "
+                     f"TTFT {mine['p99_ttft_ms']:.0f} ms, p99 TPOT {mine['p99_tpot_ms']:.1f} ms: "
+                     + ("no worse than any peer's." if not worse else "worse than " + ", ".join(worse) + "."))
+    return lines
+
+
+def variant_section(result: Optional[dict], title: str, what: str, name: str) -> list[str]:
+    lines = [f"## {title}", ""]
+    if result is None:
+        return lines + [f"Not measured yet: `PIECES={name} scripts/serving_report.sh`.", ""]
+    return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+                    *peers_notes(result),
+                    ""]
+
+
+def prefix_lines(served: Optional[dict], engine: Optional[dict]) -> list[str]:
+    lines = ["## Prefix caching", ""]
+    if served is not None:
+        lines += ["Served: vLLM's prefix-repetition workload (one 512-token prefix, 16-token suffixes) against "
+                  "`kvlab serve` with prefix caching on (`kvlab`) and off (`--no-enable-prefix-caching`), the two "
+                  f"servers taking turns. Measured at {_prov(served)}.", "", *compare_table(served), ""]
+        on = next(p for p in served["peers"] if p["name"] == "kvlab")
+        off = next((p for p in served["peers"] if p["name"] == "kvlab-no-prefix-cache" and p["status"] == "ran"),
+                   None)
+        for cell in served["cells"] if off else []:
+            a, b = _run(on, cell), _run(off, cell)
+            if a and b and a.get("mean_ttft_ms") and b.get("mean_ttft_ms"):
+                lines.append(f"- concurrency {cell['max_concurrency']}: mean TTFT {b['mean_ttft_ms']:.0f} ms without "
+                             f"the prefix cache, {a['mean_ttft_ms']:.0f} ms with it: **"
+                             f"{b['mean_ttft_ms'] / a['mean_ttft_ms']:.1f}x**; output throughput "
+                             f"{cell['kvlab_over_peer'].get('kvlab-no-prefix-cache', 0):.2f}x.")
+        lines.append("")
+    if engine is not None:
+        med = engine["median_ttft_after_first_s"]
+        lines += [f"Engine alone (kvlab.bench.prefix_ttft, requests one at a time, {engine['prefix_tokens']}-token "
+                  f"prefix, {engine['suffix_tokens']}-token suffixes, median of requests 2..{engine['requests']}): "
+                  f"{1000 * med['prefix_caching']:.0f} ms with prefix caching against "
+                  f"{1000 * med['no_prefix_caching']:.0f} ms without, **{engine['speedup']:.1f}x** "
+                  f"({_prov(engine)}).", ""]
+    if served is None and engine is None:
+        lines += ["Not measured yet: `PIECES=\"prefix ttft\" scripts/serving_report.sh`.", ""]
+    return lines
+
+
+def reliability_lines(r: Optional[dict]) -> list[str]:
+    lines = ["## Reliability", ""]
+    if r is None:
+        return lines + ["Not measured yet: `PIECES=reliability scripts/serving_report.sh`.", ""]
+    after = r["server_after"]
+    return lines + [
+        f"kvlab.bench.reliability_figures: one `kvlab serve {r['model']}` process, a warm-up load, then "
+        f"{r['requests_sent']:,} streamed requests at concurrency {r['max_concurrency']} with random short lengths, "
+        f"{100 * r['disconnect_fraction']:.0f}% of the clients hanging up mid-stream ({_prov(r)}). "
+        "tests/reliability asserts the same in CI on stories260K.", "",
+        "| requests sent | completed | cancelled by the client | failed | lost | HTTP statuses | "
+        "running / waiting after | KV pool used after | RSS after warm-up | RSS after the load |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+        f"| {r['requests_sent']:,} | {r['completed']:,} | {r['cancelled']:,} | {r['failed']} | {r['lost']} | "
+        f"{', '.join(f'{k}: {v:,}' for k, v in r['status_counts'].items())} | "
+        f"{after['num_requests_running']:.0f} / {after['num_requests_waiting']:.0f} | "
+        f"{100 * after['kv_cache_usage_perc']:.1f}% | {r['rss_after_warmup_bytes'] / 2**20:.0f} MiB | "
+        f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB ({100 * r['rss_change_fraction']:+.1f}%) |", "",
+        f"The server generated {r['generation_tokens_during_load']:,.0f} tokens during the load; the clients counted "
+        f"{r['client_counted_output_tokens']:,} in completed requests (the difference went to clients that hung up). "
+        f"Output throughput {r['output_throughput']:.0f} tok/s, p99 end-to-end latency {r['p99_e2el_ms']:.0f} ms.", ""]
+
+
+def interop_lines(r: Optional[dict]) -> list[str]:
+    lines = ["## vLLM's own client against kvlab serve", ""]
+    if r is None:
+        return lines + ["Not measured yet: `python -m kvlab.bench.vllm_interop --json "
+                        "reports/serving/vllm_interop.json` (needs the vLLM venv).", ""]
+    lines += [f"`python -m kvlab.bench.vllm_interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
+              f"serve` on the same workload and seed against one `kvlab serve {r['model']}`, {r['num_prompts']} "
+              f"requests at concurrency {r['max_concurrency']}, {r['output_len']} tokens each ({_prov(r)}).", "",
+              "| dataset | endpoint | vLLM client ok / failed | kvlab client ok / failed | tokens (vLLM, kvlab) | "
+              "vLLM / kvlab: output tok/s | mean TTFT | median TTFT | mean TPOT | median TPOT | mean ITL |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in r["pairs"]:
+        v, k, q = p["vllm"], p["kvlab"], p["vllm_over_kvlab"]
+        lines.append(f"| {p['dataset']} | {p.get('endpoint', '/v1/completions')} | {v['completed']} / {v['failed']} | "
+                     f"{k['completed']} / {k['failed']} | {v['total_output_tokens']}, {k['total_output_tokens']} | "
+                     + " | ".join("-" if q[m] is None else f"{q[m]:.2f}" for m in
+                                  ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                   "median_tpot_ms", "mean_itl_ms")) + " |")
+    u = r["unstreamed"]
+    lines += ["", f"Unstreamed (`stream: false`, the openai client): {u['requests'] - u['failed']} ok, {u['failed']} "
+              f"failed, completion tokens {sorted(set(u['completion_tokens']))}. Verdict with tolerance "
+              f"{r['tolerance']}x on every ratio: **{'passed' if r['passed'] else 'failed'}**.", ""]
+    return lines
+
+
+def decode_lines(d: Optional[dict]) -> list[str]:
+    lines = ["## Offline decode and prefill against batch and context", ""]
+    if d is None:
+        return lines + ["Not measured yet: `PIECES=decode scripts/serving_report.sh`.", ""]
+    engines = d["engines"]
+    lines += [f"`kvlab bench decode {d['model']}`: greedy, {d['new_tokens']} new tokens per sequence, the engines in "
+              "turn at each point; decode as a ratio to kvlab and as a fraction of kvlab.plan's bandwidth roofline "
+              f"(weights kvlab reads, {d['weight_bytes_read_per_step'] / 2**20:.0f} MiB a step, plus the KV "
+              f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {_prov(d)}.", "",
+              "| batch | context | roofline tok/s | " + " | ".join(f"{e} decode tok/s" for e in engines) + " | "
+              + " | ".join(f"{e} prefill tok/s" for e in engines) + " |",
+              "|" + "---:|" * (3 + 2 * len(engines))]
+    for p in d["points"]:
+        cells = []
+        for e in engines:
+            x = p["engines"][e]
+            cells.append("-" if x["decode_tokens_per_s"] is None else
+                         f"{x['decode_tokens_per_s']:,.1f} ({x['decode_ratio_to_kvlab']:.2f}x, "
+                         f"{100 * x['decode_roofline_fraction']:.0f}%)")
+        for e in engines:
+            x = p["engines"][e]
+            cells.append(f"{x['prefill_tokens_per_s']:,.0f} ({x['prefill_ratio_to_kvlab']:.2f}x)")
+        lines.append(f"| {p['batch']} | {p['context']} | {p['roofline_decode_tokens_per_s']:,.0f} | "
+                     + " | ".join(cells) + " |")
+    return lines + ["", "Each cell: rate (ratio to kvlab at that point, fraction of the roofline).", ""]
+
+
+def render(folder: Path) -> str:
+    lines = ["# Serving: kvlab against llama.cpp's, transformers' and vLLM's servers (SmolLM2-135M-Instruct)", "",
+             "<!-- Written by `python -m kvlab.report.serving_report` from the JSON files here. -->", "",
+             "Regenerate everything (each piece under `flock /tmp/kvlab-heavy.lock`; `PIECES=\"kv spec\"` runs "
+             "some). The 1,024-token sweep prefills about 57,000 prompt tokens per server and is by far the longest "
+             "piece; vLLM compiles for 2.5-6 minutes each time it starts:", "", "```bash",
+             "scripts/setup_vllm_venv.sh   # once: the vLLM peer",
+             "scripts/serving_report.sh", "```", "",
+             "Every server gets the same requests from one seed, through the same client (`kvlab bench serve`'s, "
+             "streaming, vLLM's metric definitions), greedy, asking for exactly the output length (ignore_eos where "
+             "the server takes it; transformers' server refuses vLLM's extra fields with a 422, so it is asked "
+             "without them and may stop early: the *tokens back* column shows what came back). All servers are up "
+             "at once and take turns at each (prompt length, concurrency) cell, the others paused (SIGSTOP), so the "
+             "ratios compare like with "
+             "like within one run. kvlab and llama.cpp serve the same Q4_1 GGUF; transformers and vLLM serve "
+             "kvlab's HF export of it (bf16). Requests per level: max(4, concurrency). Times in ms. *load before* is "
+             "the machine's 1-minute load average as the cell began: this 2-core machine is shared, and a figure "
+             "well above 1 means other work ran beside the benchmark (the lock every benchmark here takes does not "
+             "bind every process), so compare ratios within a cell rather than figures across runs.", ""]
+    for length in (128, 1024):
+        result = _load(folder, f"compare_peers{length}.json")
+        lines += [f"## Peers, {length}-token prompts", ""]
+        if result is None:
+            lines += [f"Not measured yet: `PIECES=peers{length} scripts/serving_report.sh`.", ""]
+            continue
+        lines += [f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+                  *peers_notes(result), "",
+                  *target_lines(result), ""]
+    lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",
+                             "`kvlab serve` three times, `--kv-cache-dtype fp16` (`kvlab`), `fp8` and `int8`, taking "
+                             "turns; *kvlab / it* is fp16's throughput over the variant's.", "kv")
+    lines += prefix_lines(_load(folder, "compare_prefix.json"), _load(folder, "prefix_ttft_smollm2.json"))
+    lines += variant_section(_load(folder, "compare_spec.json"), "Speculative decoding on and off",
+                             "`kvlab serve` without (`kvlab`) and with `--speculative-config '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4}'` on the random workload, taking turns. Random prompts "
+                             "give n-gram lookup little to find, so this is its cost when it cannot help.", "spec")
+    lines += interop_lines(_load(folder, "vllm_interop.json"))
+    lines += reliability_lines(_load(folder, "reliability.json"))
+    lines += decode_lines(_load(folder, "decode_sweep.json"))
+    lines += ["## For users who scale out", "",
+              "The same comparison on a GPU machine: start vLLM (`vllm serve DIR` or `python -m "
+              "vllm.entrypoints.openai.api_server --model DIR`) and point either client at it: "
+              "`kvlab bench serve --base-url http://HOST:8000 --model DIR --max-concurrency 1,4,16,32`, or vLLM's own "
+              "`vllm bench serve --base-url http://HOST:8000 --model DIR --dataset-name random --max-concurrency 16`. "
+              "`kvlab bench compare MODEL --peer NAME=COMMAND` starts any other server with `{port}` in its command.",
+              ""]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    folder = Path(argv[0] if argv else "reports/serving")
+    text = render(folder)
+    temp = folder / ".README.md.tmp"
+    temp.write_text(text)
+    os.replace(temp, folder / "README.md")
+    print(f"wrote {folder / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

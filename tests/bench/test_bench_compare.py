@@ -1,0 +1,86 @@
+"""`kvlab bench compare`: a real `kvlab serve stories260k` against a fake peer, one that cannot start, one missing.
+
+The fake peer (fake_server.py, started as a process from `--peer NAME=COMMAND`) refuses vLLM's
+extra fields as transformers' server does, so the run must fall back to plain bodies for it and
+still send them to kvlab. Ratios must be exactly kvlab's output throughput over the peer's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.bench.compare import ratios
+from kvlab.cli import main
+from needs import STORIES, require_file
+
+FAKE = Path(__file__).with_name("fake_server.py")
+
+
+def test_compare_runs_every_peer_on_the_same_requests_and_skips_the_missing(tmp_path, capsys):
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", str(STORIES), "--peers", "kvlab,vllm", "--vllm-python", str(tmp_path / "none"),
+               "--peer", f"fake={sys.executable} {FAKE} {{port}} --strict",
+               "--peer", f"broken={sys.executable} -c 'raise SystemExit(3)' {{port}}",
+               "--max-concurrency", "1,3", "--num-prompts", "2x", "--input-len", "12", "--output-len", "5",
+               "--threads", "1", "--kv-cache-memory", "4MB", "--json", str(out), "--disable-tqdm"])
+    printed = capsys.readouterr()
+    assert rc == 0
+    assert "vllm: skipped: no vLLM venv" in printed.err and "broken: skipped: broken exited 3" in printed.err
+    assert "kvlab bench compare" in printed.out and "prompt 12, concurrency 3: kvlab" in printed.out
+    result = json.loads(out.read_text())
+    peers = {p["name"]: p for p in result["peers"]}
+    assert [p["name"] for p in result["peers"]] == ["kvlab", "vllm", "fake", "broken"]
+    assert (peers["vllm"]["status"], peers["broken"]["status"]) == ("skipped", "failed to start")
+    assert peers["kvlab"]["vllm_extras"] is True and peers["fake"]["vllm_extras"] is False
+    assert result["workload"]["requests_per_level"] == {"1": 4, "3": 6}  # 2x, at least 4
+    for name in ("kvlab", "fake"):
+        runs = peers[name]["runs"]
+        assert [r["max_concurrency"] for r in runs] == [1, 3]
+        assert [(r["completed"], r["failed"]) for r in runs] == [(4, 0), (6, 0)]
+        assert [r["requested_output_tokens"] for r in runs] == [20, 30]
+    # the same prompts went to both: kvlab's usage counts one BOS more per prompt than the tokenizer
+    for mine, theirs in zip(peers["kvlab"]["runs"], peers["fake"]["runs"]):
+        assert mine["total_input_tokens"] - theirs["total_input_tokens"] == mine["completed"]
+        assert mine["total_output_tokens"] == mine["requested_output_tokens"]  # ignore_eos honoured
+        cell = next(c for c in result["cells"] if c["max_concurrency"] == mine["max_concurrency"])
+        assert cell["input_len"] == mine["input_len"] == theirs["input_len"] == 12
+        assert cell["kvlab_over_peer"] == {"fake": mine["output_throughput"] / theirs["output_throughput"]}
+        assert cell["best_peer"] == {"name": "fake", "output_throughput": theirs["output_throughput"]}
+    assert result["provenance"]["git_commit"]
+
+
+def test_ratios_are_per_cell_against_every_peer_that_ran():
+    def run(level, tps, input_len=8):
+        return {"input_len": input_len, "max_concurrency": level, "output_throughput": tps}
+    peers = [{"name": "kvlab", "status": "ran", "runs": [run(1, 10.0), run(4, 40.0), run(1, 9.0, 64)]},
+             {"name": "a", "status": "ran", "runs": [run(1, 5.0), run(4, 0.0), run(1, 3.0, 64)]},
+             {"name": "b", "status": "ran", "runs": [run(1, 20.0)]},
+             {"name": "c", "status": "skipped"}]
+    out = ratios(peers, [(8, 1), (8, 4), (64, 1), (64, 4)])
+    assert [c["kvlab_over_peer"] for c in out] == [{"a": 2.0, "b": 0.5}, {"a": None}, {"a": 3.0}, {}]
+    assert [c["best_peer"] for c in out] == [{"name": "b", "output_throughput": 20.0},
+                                             {"name": "a", "output_throughput": 0.0},
+                                             {"name": "a", "output_throughput": 3.0}, None]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--peers", "kvlab,nginx"], "unknown nginx"),
+    (["--peer", "nocommand"], "NAME=COMMAND"),
+    (["--peer", "x=python -m http.server"], "must listen on {port}"),
+    (["--num-prompts", "0x"], "positive integer"),
+])
+def test_mistakes_are_one_line_exit_2(argv, message, capsys):
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    full = ["bench", "compare", str(STORIES), *([] if "--peers" in argv else ["--peers", "kvlab"]), *argv]
+    try:
+        code = main(full)
+    except SystemExit as exit_info:  # argparse's own errors
+        code = exit_info.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

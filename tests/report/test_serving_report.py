@@ -1,0 +1,41 @@
+"""reports/serving/README.md is rendered from its JSON alone: figures, ratios and the 5x target's verdict."""
+
+from __future__ import annotations
+
+import json
+
+from kvlab.bench.compare import ratios
+from kvlab.report.serving_report import main, render
+
+PROV = {"git_commit": "abcdef1234", "git_dirty_files": [], "time_utc": "2026-12-01T12:00:00Z",
+        "machine": {"cpu": "CPU", "cores": 2, "torch_threads": 2}}
+
+
+def _run(level, tps, ttft, tpot):
+    return {"input_len": 128, "max_concurrency": level, "completed": level, "failed": 0,
+            "total_output_tokens": 24 * level,
+            "requested_output_tokens": 24 * level, "output_throughput": tps, "mean_ttft_ms": ttft, "p99_ttft_ms": ttft,
+            "mean_tpot_ms": tpot, "p99_tpot_ms": tpot, "mean_itl_ms": tpot}
+
+
+def _compare(peers):
+    result = {"benchmark": "compare", "input_lens": [128], "levels": [16], "peers": peers, "provenance": PROV}
+    result["cells"] = ratios(peers, [(128, 16)])
+    return result
+
+
+def test_the_page_states_same_run_ratios_and_the_target(tmp_path):
+    peers = [{"name": "kvlab", "status": "ran", "note": "GGUF", "startup_s": 3.0, "vllm_extras": True,
+              "runs": [_run(16, 300.0, 200.0, 40.0)]},
+             {"name": "llama.cpp-serial", "status": "ran", "note": "GGUF", "startup_s": 1.0, "vllm_extras": True,
+              "runs": [_run(16, 50.0, 9000.0, 19.0)]},
+             {"name": "vllm", "status": "skipped", "reason": "no vLLM venv"}]
+    (tmp_path / "compare_peers128.json").write_text(json.dumps(_compare(peers)))
+    page = render(tmp_path)
+    assert "| 128 | 16 | llama.cpp-serial | 16 / 0 | 384 / 384 | 50.0 | 6.00x | 9,000 |" in page
+    assert "**6.00x** the best peer (llama.cpp-serial, 50.0 tok/s): the 5x target is met" in page
+    assert "worse than llama.cpp-serial (tpot 19 ms)" in page  # kvlab's p99 TPOT 40 ms > 19 ms
+    assert "- vllm: skipped: no vLLM venv" in page
+    assert "Not measured yet: `PIECES=peers1024 scripts/serving_report.sh`" in page
+    assert "commit abcdef1" in page
+    assert main([str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == page
