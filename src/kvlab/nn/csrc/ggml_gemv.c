@@ -173,9 +173,15 @@ static void q6_k_row(const qmatrix *w, int o, int rows, const int16_t *qx, const
     output_row(w, 2, o, rows, qx, dx, sx, y, ldy, accumulate);
 }
 
+/* Output rows per share of a product. Shares are handed out as threads ask (dynamic): on a
+ * machine shared with other work a thread is often descheduled mid-product, and with fixed
+ * halves the other then waited at the barrier for its whole half. Each output row is computed
+ * alone, so the results do not depend on which thread took it. */
+#define GEMM_SHARE 32
+
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int ldy, int accumulate) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, GEMM_SHARE)
     for (int o = 0; o < w->n; o++) {
         if (w->kind == 0)
             q4_1_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
