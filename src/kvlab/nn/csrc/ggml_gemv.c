@@ -19,35 +19,41 @@
 
 #include "ggml_gemv.h"
 
-/* x[k] -> qx (int16 codes, 32 per block), dx (scale per block), sx (the block's exact sum).
- * Eight lanes at a time: the codes are lrintf's (cvtps rounds to nearest even, as lrintf does
- * in the default mode), the sums are added in a tree rather than in order. Blocks are shared
- * out with an orphaned `omp for`, as qmatrix_gemm's rows are: inside the decode step's
- * parallel region both threads quantise (it ran on one while the other waited, a tenth of a
- * 16-row step), outside it one thread does all. */
+/* Block b of x -> qx (int16 codes, 32 per block), dx (its scale), sx (its exact sum), eight
+ * lanes at a time: the codes are lrintf's (cvtps rounds to nearest even, as lrintf does in
+ * the default mode); the sum is added in a tree rather than in order. */
+static inline void quantize_block(const float *x, long b, int16_t *qx, float *dx, float *sx) {
+    const float *xb = x + b * QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)),
+                  c2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), c3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
+    /* packs interleaves 128-bit lanes: put the four quarters back in order */
+    _mm256_storeu_si256((__m256i *)(qx + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+    _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c2, c3), 0xD8));
+    dx[b] = d;
+    sx[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+}
+
+void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *dx, float *sx) {
+    for (long b = first; b < last; b++) quantize_block(x, b, qx, dx, sx);
+}
+
+/* x[k] -> qx, dx, sx for every block. Blocks are shared out with an orphaned `omp for`, as
+ * qmatrix_gemm's rows are: inside the decode step's parallel region every thread quantises
+ * (one worked while the other waited, a tenth of a 16-row step), outside it one does all. */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {
     const long blocks = (long)(k / QK);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
 #pragma omp for schedule(static)
-    for (long b = 0; b < blocks; b++) {
-        const float *xb = x + b * QK;
-        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                     v3 = _mm256_loadu_ps(xb + 24);
-        const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                         _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-        const float d = amax / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m256 vi = _mm256_set1_ps(inv);
-        const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)),
-                      c2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), c3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
-        /* packs interleaves 128-bit lanes: put the four quarters back in order */
-        _mm256_storeu_si256((__m256i *)(qx + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
-        _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c2, c3), 0xD8));
-        dx[b] = d;
-        sx[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
-    }
+    for (long b = 0; b < blocks; b++) quantize_block(x, b, qx, dx, sx);
 }
 
 /* Block b of output row o, widened to int16: weights 0..15 in *lo, 16..31 in *hi. */

@@ -40,13 +40,14 @@ typedef struct {
     int *unit_row;   /* [units]: the row each unit belongs to */
 } scratch;
 
-#define PREFETCH 16
-#define SWIGLU_PIECE 256 /* channels of one row per share of the SwiGLU loop */ /* tokens ahead that attention asks memory for */
+#define PREFETCH 16      /* tokens ahead that attention asks memory for */
+#define SWIGLU_PIECE 256 /* channels of one row per share of the SwiGLU loop (a multiple of QK) */
 
 static inline int chunks_at(int pos) { return pos / CHUNK + 1; }
 
 /* x [rows, dim] -> rms-normalised, scaled by w, then quantised for the next product. Called by
- * every thread of the step's parallel region: rows, then blocks, are shared out. */
+ * every thread of the step's parallel region: each row is normalised and quantised by one
+ * thread, so the pair costs one barrier, not two. */
 static void norm_quantize(const float *x, const float *w, int rows, int dim, float eps, float *out, scratch *s) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
@@ -56,8 +57,8 @@ static void norm_quantize(const float *x, const float *w, int rows, int dim, flo
         for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
+        quantize_blocks(out, (long)r * (dim / QK), (long)(r + 1) * (dim / QK), s->qx, s->dx, s->sx);
     }
-    quantize_act(out, (size_t)rows * dim, s->qx, s->dx, s->sx);
 }
 
 /* Rotate one head vector in place at the position whose tables are cos, sin. */
@@ -395,8 +396,9 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
         const float *gate = s->gate_up + (size_t)r * 2 * m->hidden, *up = gate + m->hidden;
         float *a = s->act + (size_t)r * m->hidden;
         for (int i = lo; i < hi; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        const long first = ((long)r * m->hidden + lo) / QK; /* the piece's blocks, quantised by the same thread */
+        quantize_blocks(s->act, first, first + (hi - lo) / QK, s->qx, s->dx, s->sx);
     }
-    quantize_act(s->act, (size_t)rows * m->hidden, s->qx, s->dx, s->sx);
     qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, m->dim, 1);
 }
 
