@@ -4,6 +4,7 @@
     python3 scripts/readme_outputs.py           # run each `$ kvlab ...` in a ```text block, rewrite its output
     python3 scripts/readme_outputs.py --check   # exit 1 if any shown output is stale (timings aside)
     python3 scripts/readme_outputs.py --check --skip-slow   # ... except the benchmarks (the test suite's check)
+    python3 scripts/readme_outputs.py --only "kvlab bench throughput"   # just the commands that start so
 
 A README block that shows a command's output is a ```text fence whose lines starting with
 "$ " are commands; the lines after each, up to the next command (a blank line between), are
@@ -90,13 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compare instead of rewriting; exit 1 when stale")
     parser.add_argument("--skip-slow", action="store_true",
                         help="leave benchmark blocks (`kvlab bench ...`, minutes each) as they are")
+    parser.add_argument("--only", metavar="PREFIX",
+                        help="run only the commands that start with PREFIX, leaving the rest as they are "
+                             "(one benchmark re-measured without minutes of the others)")
     args = parser.parse_args(argv)
     text = README.read_text(encoding="utf-8")
     stale, pieces, at = [], [], 0
     for start, end, pairs in blocks(text):
         shown = []
         for command, old in pairs:
-            if args.skip_slow and command.startswith("kvlab bench"):
+            if (args.skip_slow and command.startswith("kvlab bench")) or \
+                    (args.only and not command.startswith(args.only)):
                 shown.append(f"$ {command}\n{old}")
                 continue
             new = run(command)

@@ -75,3 +75,31 @@ def test_bad_planes_are_refused():
         GGMLLinear(Planes("q8_0", planes.codes.to(torch.int8), planes.scales, planes.offsets))
     with pytest.raises(ValueError, match="unsupported planes kind"):
         GGMLLinear(Planes("q5_k", planes.codes, planes.scales))
+
+
+def test_activation_quantiser_is_round_half_even_per_block(kernels_lib):
+    """quantize_act (eight lanes at a time, blocks shared out over threads) gives the codes of
+    round-half-even(x / (amax / 32767)) per 32 values, the scale amax / 32767 and each block's
+    sum: exact ties, an all-zero block, a block whose largest value is negative, and a tail of
+    blocks each thread would own."""
+    import ctypes
+
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy(rng.standard_normal(32 * 37).astype(np.float32)) * 3
+    x[32:64] = 0.0  # a zero block: scale 0, codes 0
+    x[64:96] = torch.arange(32, dtype=torch.float32) - 40.0  # amax from a negative value
+    x[96] = 32767 * 0.5 / 32767  # the block's other values sit on exact halves of its step below
+    x[97:128] = torch.tensor([0.5 * (2 * i + 1) / 32767 for i in range(31)], dtype=torch.float32) * x[96] * 2
+    codes = torch.empty(x.numel(), dtype=torch.int16)
+    scales, sums = torch.empty(x.numel() // 32), torch.empty(x.numel() // 32)
+    kernels_lib.quantize_act.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                                         ctypes.c_void_p]
+    kernels_lib.quantize_act(x.data_ptr(), x.numel(), codes.data_ptr(), scales.data_ptr(), sums.data_ptr())
+    blocks = x.view(-1, 32)
+    scale = blocks.abs().amax(dim=1) / 32767.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    expected = torch.round(blocks * inverse[:, None]).to(torch.int16)  # torch.round: half to even
+    assert torch.equal(scales, scale)
+    assert torch.equal(codes.view(-1, 32), expected)
+    assert torch.equal(codes[32:64], torch.zeros(32, dtype=torch.int16))
+    torch.testing.assert_close(sums, blocks.sum(dim=1), rtol=1e-6, atol=1e-5)

@@ -37,6 +37,9 @@ typedef struct {
 /* x[k] -> int16 codes, a scale per 32-value block and each block's exact sum. */
 void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
 
+/* The same for blocks first .. last - 1 only, on the calling thread (a row's share of a loop). */
+void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *dx, float *sx);
+
 /* y[r * ldy + o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act
  * (ldy > n writes into a wider output, as stacked matrices do). Output rows are shared out
  * with an orphaned `omp for`: called inside a parallel region the threads split the work (and

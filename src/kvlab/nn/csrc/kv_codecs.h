@@ -132,6 +132,24 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
     }
 }
 
+/* Bytes per channel of each format's rows. */
+static inline int element_bytes(int dtype) { return dtype == CACHE_F32 ? 4 : dtype <= CACHE_BF16 ? 2 : 1; }
+
+/* Ask for row `slot` of plane p (and, for int8, its scale and zero) ahead of use. Attention
+ * walks a row's blocks in table order, which the hardware prefetchers cannot follow past a
+ * block (blocks sit anywhere in the pool): without this the loop waited on memory for each
+ * block's first rows, and at long context stalls, not arithmetic, were most of its time. */
+static inline __attribute__((always_inline)) void prefetch_row(const kv_plane *p, int dtype, size_t slot, int d,
+                                                              int groups) {
+    const int bytes = d * element_bytes(dtype);
+    const char *row = (const char *)p->data + slot * (size_t)bytes;
+    for (int at = 0; at < bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
+    if (dtype == CACHE_INT8) {
+        _mm_prefetch((const char *)(p->scale + slot * groups), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p->zero + slot * groups), _MM_HINT_T0);
+    }
+}
+
 /* What fp8 dot products are multiplied by to be in the cache's units (1 for other formats). */
 static inline float fp8_factor(const kv_plane *p, int dtype, int head) {
     if (dtype == CACHE_FP8_E4M3) return 256.0f * p->fp8_scale[head];

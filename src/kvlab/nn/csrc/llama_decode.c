@@ -40,10 +40,16 @@ typedef struct {
     int *unit_row;   /* [units]: the row each unit belongs to */
 } scratch;
 
+#define PREFETCH 16      /* tokens ahead that attention asks memory for */
+#define SWIGLU_PIECE 256 /* channels of one row per share of the SwiGLU loop (a multiple of QK) */
+
 static inline int chunks_at(int pos) { return pos / CHUNK + 1; }
 
-/* x [rows, dim] -> rms-normalised, scaled by w, then quantised for the next product. */
+/* x [rows, dim] -> rms-normalised, scaled by w, then quantised for the next product. Called by
+ * every thread of the step's parallel region: each row is normalised and quantised by one
+ * thread, so the pair costs one barrier, not two. */
 static void norm_quantize(const float *x, const float *w, int rows, int dim, float eps, float *out, scratch *s) {
+#pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * dim;
         float *yr = out + (size_t)r * dim;
@@ -51,8 +57,8 @@ static void norm_quantize(const float *x, const float *w, int rows, int dim, flo
         for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
+        quantize_blocks(out, (long)r * (dim / QK), (long)(r + 1) * (dim / QK), s->qx, s->dx, s->sx);
     }
-    quantize_act(out, (size_t)rows * dim, s->qx, s->dx, s->sx);
 }
 
 /* Rotate one head vector in place at the position whose tables are cos, sin. */
@@ -148,7 +154,7 @@ static void load_group(const llama_layer *l, chunk_rows *c, int g) {
 static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, int dtype, const chunk_rows *c,
                                                           const float *q, int lo, int hi, int t0, float *dots,
                                                           const int GH, const int TB) {
-    __m256 acc[GH * TB];
+    __m256 acc[12]; /* GH x TB <= 12; a fixed size, so the accumulators can live in registers */
     for (int a = 0; a < GH * TB; a++) acc[a] = _mm256_setzero_ps();
     for (int i = lo; i < hi; i += 8) {
         for (int u = 0; u < TB; u++) {
@@ -157,7 +163,7 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
                 acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x, acc[h * TB + u]);
         }
     }
-    float sums[GH * TB + 3];
+    float sums[16];
     int a = 0;
     for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
     for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
@@ -171,12 +177,12 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
 static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, int dtype, const chunk_rows *c,
                                                             const float *w, int i0, const float *offset,
                                                             float factor, float *out, const int GH, const int NV) {
-    __m256 acc[GH][NV];
+    __m256 acc[4][8]; /* GH x NV: a fixed size, so the accumulators can live in registers */
     for (int h = 0; h < GH; h++)
         for (int u = 0; u < NV; u++) acc[h][u] = _mm256_setzero_ps();
     for (int t = 0; t < c->len; t++) {
         const size_t slot = c->slots[t];
-        __m256 wt[GH];
+        __m256 wt[4];
         for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
         for (int u = 0; u < NV; u++) {
             const __m256 x = load8(v, dtype, slot, i0 + 8 * u, c->d);
@@ -201,12 +207,19 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                                                               float *out, const int GH) {
     const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2, d = c->d;
     const int groups = dtype == CACHE_INT8 ? c->groups : 1, gsize = dtype == CACHE_INT8 ? c->gsize : d;
-    float part[dtype == CACHE_INT8 ? GH * CHUNK : 1]; /* int8: one group's dot products, or its weights */
+    float part[4 * CHUNK]; /* int8: one group's dot products, or its weights */
     int t;
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = dtype == CACHE_INT8 ? part : scores;
-        for (t = 0; t + TB <= c->len; t += TB) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+        for (t = 0; t + TB <= c->len; t += TB) {
+            if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
+                for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
+                    prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
+                    prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
+                }
+            key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+        }
         for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
         if (dtype != CACHE_INT8) break;
         load_group(l, c, g);
@@ -242,7 +255,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
         for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the int8 passes below */
         part_max[h] = top, part_sum[h] = total;
     }
-    float offset[GH];
+    float offset[4];
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         const float *w = scores;
@@ -288,6 +301,10 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
     c.groups = (d + c.gsize - 1) / c.gsize;
     for (int t = start; t < end; t++) c.slots[t - start] = ((size_t)table[t / bs] * hkv + kvh) * bs + t % bs;
+    for (int t = 0; t < PREFETCH && t < c.len; t++) { /* the first rows; the key loop asks for the rest ahead */
+        prefetch_row(&l->k, dtype, c.slots[t], d, c.groups);
+        prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
+    }
     const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
     for (int h = 0; h < group;) {
@@ -344,7 +361,6 @@ static void stack_gemm(const qstack *w, int rows, const scratch *s, float *y, in
 static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *v, float *x, scratch *s) {
     const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
     const int width = (hq + 2 * hkv) * d;
-#pragma omp single
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp for schedule(static)
@@ -368,20 +384,20 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
-#pragma omp single
     quantize_act(s->att, (size_t)rows * hq * d, s->qx, s->dx, s->sx);
     qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, m->dim, 1); /* the residual add is the accumulate */
-#pragma omp single
     norm_quantize(x, l->mlp_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->gate_up, rows, s, s->gate_up, 2 * m->hidden);
-#pragma omp single
-    {
-        for (int r = 0; r < rows; r++) {
-            const float *gate = s->gate_up + (size_t)r * 2 * m->hidden, *up = gate + m->hidden;
-            float *a = s->act + (size_t)r * m->hidden;
-            for (int i = 0; i < m->hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
-        quantize_act(s->act, (size_t)rows * m->hidden, s->qx, s->dx, s->sx);
+    const int pieces = (m->hidden + SWIGLU_PIECE - 1) / SWIGLU_PIECE; /* SwiGLU shared out in pieces of each row */
+#pragma omp for schedule(static)
+    for (int rp = 0; rp < rows * pieces; rp++) {
+        const int r = rp / pieces, lo = rp % pieces * SWIGLU_PIECE;
+        const int hi = lo + SWIGLU_PIECE < m->hidden ? lo + SWIGLU_PIECE : m->hidden;
+        const float *gate = s->gate_up + (size_t)r * 2 * m->hidden, *up = gate + m->hidden;
+        float *a = s->act + (size_t)r * m->hidden;
+        for (int i = lo; i < hi; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        const long first = ((long)r * m->hidden + lo) / QK; /* the piece's blocks, quantised by the same thread */
+        quantize_blocks(s->act, first, first + (hi - lo) / QK, s->qx, s->dx, s->sx);
     }
     qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, m->dim, 1);
 }
@@ -491,7 +507,6 @@ int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *posit
 #pragma omp parallel
     {
         for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], &view, x, &s);
-#pragma omp single
         norm_quantize(x, m->final_norm, rows, m->dim, m->eps, s.normed, &s);
         qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, m->vocab, 0);
     }
