@@ -26,6 +26,7 @@ COMMANDS = {
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
     "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
     "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine), serve (a server under load)"),
+    "draft": ("draft_cmd", "a speculative-decoding draft distilled from the target's own text (corpus, train)"),
 }
 
 
