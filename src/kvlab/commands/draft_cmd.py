@@ -6,7 +6,8 @@
 `train` first generates the corpus shards that are missing (the teacher's answers and top
 log-probabilities, through the engine; cached under the kvlab cache folder), then trains
 from the last checkpoint (beside --out, in OUT.train/), and writes the model directory
---out (atomically: a temporary folder renamed into place) once the last step is done.
+--out (atomically: a temporary folder renamed into place) at the end of every invocation;
+its kvlab_draft.json says "status": "done" or "partial" and how far training got.
 `--max-minutes` bounds one invocation, so a long run goes in resumable slices.
 """
 
@@ -139,11 +140,10 @@ def run_train(args: argparse.Namespace) -> int:
                    "validation": metrics, "train_answers": len(train), "val_answers": len(val),
                    "params": model.config.param_count(), "model_config": model.config.to_dict(),
                    "train_config": asdict(config)})
-    if trainer.done:
-        save_draft(model, teacher.tokenizer, args.out, result)
+    save_draft(model, teacher.tokenizer, args.out, result)  # a partial run's weights too: usable, and marked so
     print(f"draft-{args.size}: step {state.step}/{args.steps}, {state.tokens:,} tokens, "
-          f"val kl {metrics['kl']:.3f}, 1-tv {metrics['acceptance_t1']:.3f}, greedy agreement {metrics['agree']:.3f}"
-          + (f"; saved {args.out}" if trainer.done else "; run again to continue"))
+          f"val kl {metrics['kl']:.3f}, 1-tv {metrics['acceptance_t1']:.3f}, greedy agreement {metrics['agree']:.3f}; "
+          f"saved {args.out}" + ("" if trainer.done else " (partial: run again to continue)"))
     _write_json(args.json, result)
     return 0
 

@@ -16,7 +16,6 @@ function of (seed, step), as the trainer needs for exact resuming.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch.nn import functional as F
