@@ -77,7 +77,7 @@ def run_once(model, tokenizer, prompts, temperature: float, max_tokens: int, spe
             "accepted_per_position": list(stats.accepted_per_position)}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_cell=None) -> dict:
     from kvlab.bench.provenance import provenance
     from kvlab.checkpoints.resolve import load_model
     from kvlab.train.progress import progress_bar
@@ -104,6 +104,9 @@ def run(args: argparse.Namespace) -> dict:
     total = sum(len(runs) + 2 for *_, runs in grid)
     bar = progress_bar(total, "speculative", unit="run", enabled=sys.stderr.isatty())
     cells = []
+    header = {"benchmark": "speculative", "model": args.model, "max_tokens": args.max_tokens,
+              "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_summaries(drafts),
+              "provenance": provenance()}
     prompts = {w: workload_prompts(tokenizer, w, max(BATCHES)) for w in ("chat", "predictable")}
     for workload, batch, temperature, runs in grid:
         chosen = prompts[workload][:args.prompts_b1] if batch == 1 else prompts[workload][:batch]
@@ -126,22 +129,27 @@ def run(args: argparse.Namespace) -> dict:
         cells.append({"workload": workload, "batch": batch, "temperature": temperature,
                       "requests": len(chosen), "baseline_tok_s": base_tok_s,
                       "baseline_runs_tok_s": [b["tok_s"] for b in base], "runs": results})
+        if on_cell is not None:  # what is done so far, so a run cut short still leaves its figures
+            on_cell({**header, "cells": cells, "partial": True})
         print(f"[kvlab bench] {workload} b{batch} t{temperature}: base {base_tok_s:.1f} tok/s; best "
               + max((f"{r['speedup']:.2f}x {r['method']} k={r['k']}" for r in results), default="-"),
               file=sys.stderr, flush=True)
     bar and bar.close()
-    draft_info = {}
+    return {**header, "cells": cells, "partial": False}
+
+
+def draft_summaries(drafts: dict[str, str]) -> dict:
+    """What `kvlab draft train` recorded about each draft (kvlab_draft.json): steps, tokens, validation."""
+    import json
+    out = {}
     for size, path in drafts.items():
         summary = Path(path) / "kvlab_draft.json"
         if summary.is_file():
-            import json
             info = json.loads(summary.read_text())
-            draft_info[size] = {k: info.get(k) for k in ("size", "objective", "step", "tokens", "train_seconds", "model_config",
-                                                          "validation", "params", "train_answers", "val_answers")}
-            draft_info[size]["history"] = info.get("history")
-    return {"benchmark": "speculative", "model": args.model, "max_tokens": args.max_tokens,
-            "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_info,
-            "cells": cells, "provenance": provenance()}
+            out[size] = {k: info.get(k) for k in ("size", "objective", "status", "step", "steps", "tokens",
+                                                   "train_seconds", "model_config", "validation", "params",
+                                                   "train_answers", "val_answers", "history")}
+    return out
 
 
 def main(argv=None) -> int:
@@ -155,8 +163,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="reports/speculative", help="folder for results.json and README.md")
     parser.add_argument("--smoke", action="store_true", help="a tiny grid (k 1-2), to check the pipeline")
     args = parser.parse_args(argv)
-    result = run(args)
     from kvlab.bench.speculative_report import write_report
+    result = run(args, on_cell=lambda partial: write_report(partial, Path(args.out)))
     write_report(result, Path(args.out))
     print(f"wrote {args.out}/results.json and {args.out}/README.md")
     return 0

@@ -44,6 +44,8 @@ def render(result: dict) -> str:
              "the same requests, measured before and after each cell's speculative runs in the same process "
              "(both plain figures are in results.json). Acceptance rate = accepted / drafted tokens, mean acceptance "
              "length = 1 + accepted / drafts (vLLM's definitions).", ""]
+    if result.get("partial"):
+        lines += ["**Partial run**: the benchmark stopped before its last cell; the cells below are those it finished.", ""]
     # the headline
     target_cell = next((c for c in cells if c["workload"] == "chat" and c["batch"] == 1 and c["temperature"] == 0), None)
     if target_cell and target_cell["runs"]:
@@ -61,14 +63,17 @@ def render(result: dict) -> str:
     # the drafts
     if result.get("drafts"):
         lines += ["## The trained drafts", "",
+                  "Trained by `kvlab draft train` (commands in the project README); `status` partial means the "
+                  "cosine schedule had not reached its last step when these weights were saved.", "",
                   "`kvlab draft train` (DistillSpec-style: SmolLM2's own answers, its top-20 log-probabilities, "
                   "forward KL), MQA with one 64-channel KV head, tied embeddings initialised from SmolLM2's by SVD.", "",
-                  "| draft | params | KV B/token (fp16) | steps | tokens | train s | val KL | val 1-TV | val greedy agreement |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| draft | status | params | KV B/token (fp16) | steps | tokens | train s | val KL | val 1-TV | val greedy agreement |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for size, info in result["drafts"].items():
             v = info.get("validation") or {}
             kv = _kv_bytes_per_token(info["model_config"]) if info.get("model_config") else "?"
-            lines.append(f"| {size} | {info.get('params', 0) / 1e6:.1f}M | {kv} | {info.get('step')} | "
+            lines.append(f"| {size} | {info.get('status')} | {info.get('params', 0) / 1e6:.1f}M | {kv} | "
+                         f"{info.get('step')}/{info.get('steps')} | "
                          f"{info.get('tokens', 0):,} | {info.get('train_seconds')} | {v.get('kl', 0):.3f} | "
                          f"{v.get('acceptance_t1', 0):.3f} | {v.get('agree', 0):.3f} |")
         lines += ["", "SmolLM2-135M's own KV is "

@@ -91,7 +91,8 @@ class LLMEngine:
         draft = None
         if self.speculative is not None and self.speculative.method == "draft_model":
             from kvlab.engine.llm import load_for_engine
-            draft, draft_tokenizer = load_for_engine(self.speculative.model, "dense")
+            import os
+            draft, draft_tokenizer = load_for_engine(os.path.expanduser(self.speculative.model), "dense")
             if draft.config.vocab_size != mc.vocab_size:
                 raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
