@@ -55,6 +55,8 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     t.add_argument("--eval-every", type=positive_int, default=50, help="validation every N steps (default 50)")
     t.add_argument("--seed", type=int, default=0, help="initialisation and batch order (default 0)")
     t.add_argument("--stop-after", type=positive_int, help="stop once this many steps are done (a slice)")
+    t.add_argument("--partial-corpus", action="store_true",
+                   help="train on the shards generated so far when the corpus is not complete (default: wait for it)")
     t.add_argument("--json", metavar="PATH", help="write the training summary here")
     train.set_defaults(run=run_train)
 
@@ -115,7 +117,7 @@ def run_train(args: argparse.Namespace) -> int:
     manifest = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
     result = {"command": "kvlab draft train", "size": args.size, "objective": args.objective, "out": args.out,
               "corpus": manifest, "steps": args.steps}
-    if not manifest["complete"]:
+    if not manifest["complete"] and not (args.partial_corpus and manifest["shards_present"]):
         result["status"] = "corpus incomplete"
         print(f"corpus: {manifest['shards_present']}/{manifest['shards_total']} shards; run again to continue")
         _write_json(args.json, result)
