@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-xs", default=default_draft_dir("xs"), help="trained draft xs (kvlab draft train)")
     parser.add_argument("--draft-s", default=default_draft_dir("s"), help="trained draft s")
     parser.add_argument("--self-layers", type=int, default=6, help="self-draft depth (default 6 of 30)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="new tokens per request (default 48)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
     parser.add_argument("--prompts-b1", type=int, default=2, help="requests at batch 1, one after another (default 2)")
     parser.add_argument("--out", default="reports/speculative", help="folder for results.json and README.md")
     parser.add_argument("--smoke", action="store_true", help="a tiny grid (k 1-2), to check the pipeline")
