@@ -10,6 +10,9 @@ trained drafts at batch 1, greedy, in both workloads. Each cell (batch, temperat
 workload) runs its plain-decoding baseline before and after its speculative runs, so every
 ratio is against plain decoding measured minutes apart in the same process; greedy runs
 also check that the tokens equal the baseline's. Every engine shares one loaded target.
+Speeds are decode speeds: generated tokens after the first over the time from each group's
+first token to its last (the prompts' prefill excluded, a draft model's catch-up over the
+prompt included); results.json also keeps end-to-end tok/s.
 The JSON keeps every run; the README is written from it (kvlab.bench.speculative_report).
 """
 
@@ -59,7 +62,7 @@ def run_once(model, tokenizer, prompts, temperature: float, max_tokens: int, spe
     engine.add_request(prompts[0][:8], SamplingParams(temperature=0, max_tokens=4))  # warm-up: pages, packing
     engine.run_until_done()
     engine.runner.spec_stats.__init__()
-    outputs, seconds = [], 0.0
+    outputs, seconds, decode_seconds, decode_tokens = [], 0.0, 0.0, 0
     for start in range(0, len(prompts), batch):
         group = prompts[start:start + batch]
         seqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
@@ -67,10 +70,15 @@ def run_once(model, tokenizer, prompts, temperature: float, max_tokens: int, spe
         began = time.perf_counter()
         engine.run_until_done()
         seconds += time.perf_counter() - began
+        # decode: from the group's first token (the prompts' prefill is done) to its last
+        decode_seconds += max(s.last_token_time for s in seqs) - min(s.first_token_time for s in seqs)
+        decode_tokens += sum(len(s.output_ids) - 1 for s in seqs)
         outputs += [list(s.output_ids) for s in seqs]
     stats = engine.spec_stats
     tokens = sum(len(o) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "outputs": outputs,
+    return {"tokens": tokens, "seconds": seconds, "end_to_end_tok_s": tokens / seconds,
+            "decode_tokens": decode_tokens, "decode_seconds": decode_seconds, "tok_s": decode_tokens / decode_seconds,
+            "outputs": outputs,
             "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": stats.acceptance_rate,
             "mean_acceptance_length": stats.mean_acceptance_length,
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
             bar and bar.update(1)
         base.append(run_once(model, tokenizer, chosen, temperature, args.max_tokens, None, batch))
         bar and bar.update(1)
-        base_tok_s = sum(b["tokens"] for b in base) / sum(b["seconds"] for b in base)
+        base_tok_s = sum(b["decode_tokens"] for b in base) / sum(b["decode_seconds"] for b in base)
         for result in results:
             result["speedup"] = result["tok_s"] / base_tok_s
             del result["outputs"]

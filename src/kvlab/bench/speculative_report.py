@@ -40,7 +40,8 @@ def render(result: dict) -> str:
              f"{result['max_tokens']} new tokens (EOS ignored); batch 1 runs {result['prompts_batch1']} requests one "
              "after another, batch 8 runs 8 at once. Prompts are held-out ones (never in the drafts' training set): "
              "chat = ShareGPT first turns, predictable = code and list requests (kvlab.draft.prompts), in SmolLM2's "
-             "chat template. tok/s counts generated tokens over wall time; speed-up is against plain decoding of "
+             "chat template. tok/s is decode speed: tokens after the first over the time from a group's first token "
+             "to its last (prefill excluded; a draft model's catch-up over the prompt included); speed-up is against plain decoding of "
              "the same requests, measured before and after each cell's speculative runs in the same process "
              "(both plain figures are in results.json). Acceptance rate = accepted / drafted tokens, mean acceptance "
              "length = 1 + accepted / drafts (vLLM's definitions).", ""]
