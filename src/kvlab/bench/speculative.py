@@ -99,8 +99,11 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
         print(f"[kvlab bench] note: no trained draft {', '.join(missing)} (run `kvlab draft train`); skipped",
               file=sys.stderr)
     grid = []
-    batches, temperatures, k_small, k_sweep = (BATCHES, TEMPERATURES, K_SMALL, K_SWEEP) if not args.smoke else \
-        ((1, 8), (0.0, 0.7), (2,), (1, 2))
+    batches, temperatures, k_small, k_sweep = BATCHES, TEMPERATURES, K_SMALL, K_SWEEP
+    if args.quick:  # one locked slice of under five minutes: k = 3 everywhere, k in {1, 2, 4, 6} for the drafts
+        k_small, k_sweep = (3,), (1, 2, 4, 6)
+    if args.smoke:
+        k_small, k_sweep = (2,), (1, 2)
     for workload in ("chat", "predictable"):
         for batch in batches:
             for temperature in temperatures:
@@ -112,7 +115,8 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
     total = sum(len(runs) + 2 for *_, runs in grid)
     bar = progress_bar(total, "speculative", unit="run", enabled=sys.stderr.isatty())
     cells = []
-    header = {"benchmark": "speculative", "model": args.model, "max_tokens": args.max_tokens,
+    header = {"benchmark": "speculative", "command": "python3 -m kvlab.bench.speculative " + " ".join(
+                  sys.argv[1:] if argv_of(args) is None else argv_of(args)), "model": args.model, "max_tokens": args.max_tokens,
               "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_summaries(drafts),
               "provenance": provenance()}
     prompts = {w: workload_prompts(tokenizer, w, max(BATCHES)) for w in ("chat", "predictable")}
@@ -146,6 +150,10 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
     return {**header, "cells": cells, "partial": False}
 
 
+def argv_of(args) -> Optional[list]:
+    return getattr(args, "argv", None)
+
+
 def draft_summaries(drafts: dict[str, str]) -> dict:
     """What `kvlab draft train` recorded about each draft (kvlab_draft.json): steps, tokens, validation."""
     import json
@@ -169,6 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
     parser.add_argument("--prompts-b1", type=int, default=2, help="requests at batch 1, one after another (default 2)")
     parser.add_argument("--out", default="reports/speculative", help="folder for results.json and README.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="k = 3 for every method, k in {1, 2, 4, 6} for the trained drafts at batch 1, greedy")
     parser.add_argument("--smoke", action="store_true", help="a tiny grid (k 1-2), to check the pipeline")
     args = parser.parse_args(argv)
     from kvlab.bench.speculative_report import write_report

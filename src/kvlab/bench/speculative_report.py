@@ -34,7 +34,7 @@ def render(result: dict) -> str:
     prov = result["provenance"]
     lines = ["# Speculative decoding on SmolLM2-135M", "",
              "Regenerate (about ten minutes on this project's 2-core CPU; the drafts must exist, see below):", "",
-             "```bash", COMMAND, "```", "",
+             "```bash", "flock /tmp/kvlab-heavy.lock " + result.get("command", COMMAND.split("lock ", 1)[1]), "```", "",
              f"Measured at commit `{prov.get('git_commit')}` on {prov['machine']['cpu']} "
              f"({prov['machine']['torch_threads']} threads), {prov['time_utc']}. Each request asks for "
              f"{result['max_tokens']} new tokens (EOS ignored); batch 1 runs {result['prompts_batch1']} requests one "
