@@ -33,7 +33,7 @@ def render(result: dict) -> str:
     cells = result["cells"]
     prov = result["provenance"]
     lines = ["# Speculative decoding on SmolLM2-135M", "",
-             "Regenerate (about ten minutes on this project's 2-core CPU; the drafts must exist, see below):", "",
+             "Regenerate with this command (the command that wrote this page; the trained drafts must exist, see below):", "",
              "```bash", "flock /tmp/kvlab-heavy.lock " + result.get("command", COMMAND.split("lock ", 1)[1]), "```", "",
              f"Measured at commit `{prov.get('git_commit')}` on {prov['machine']['cpu']} "
              f"({prov['machine']['torch_threads']} threads), {prov['time_utc']}. Each request asks for "
