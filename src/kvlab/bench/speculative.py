@@ -162,7 +162,7 @@ def draft_summaries(drafts: dict[str, str]) -> dict:
         summary = Path(path) / "kvlab_draft.json"
         if summary.is_file():
             info = json.loads(summary.read_text())
-            out[size] = {k: info.get(k) for k in ("size", "objective", "status", "step", "steps", "tokens",
+            out[size] = {k: info.get(k) for k in ("command", "size", "objective", "status", "step", "steps", "tokens",
                                                    "train_seconds", "model_config", "validation", "params",
                                                    "train_answers", "val_answers", "history")}
     return out

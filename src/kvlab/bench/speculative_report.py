@@ -77,6 +77,8 @@ def render(result: dict) -> str:
                          f"{info.get('step')}/{info.get('steps')} | "
                          f"{info.get('tokens', 0):,} | {info.get('train_seconds')} | {v.get('kl', 0):.3f} | "
                          f"{v.get('acceptance_t1', 0):.3f} | {v.get('agree', 0):.3f} |")
+        lines += ["", "Trained with:", "", "```bash"] + [
+            str(info.get("command")) for info in result["drafts"].values()] + ["```"]
         lines += ["", "SmolLM2-135M's own KV is "
                   f"{_kv_bytes_per_token(SMOLLM2)} B/token in fp16; the draft's sits in the same pool blocks.", ""]
     # every cell

@@ -115,7 +115,7 @@ def run_train(args: argparse.Namespace) -> int:
     budget = args.max_minutes * 60 if args.max_minutes else None
     corpus_config, directory = _corpus(args)
     manifest = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
-    result = {"command": "kvlab draft train", "size": args.size, "objective": args.objective, "out": args.out,
+    result = {"command": "kvlab " + " ".join(sys.argv[1:]), "size": args.size, "objective": args.objective, "out": args.out,
               "corpus": manifest, "steps": args.steps}
     if not manifest["complete"] and not (args.partial_corpus and manifest["shards_present"]):
         result["status"] = "corpus incomplete"
