@@ -30,6 +30,7 @@ COMMANDS = {
     "export": ("export_cmd", "the vllm serve command for a converted model, and the capacity vLLM will log"),
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
     "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare (peers)"),
+    "draft": ("draft_cmd", "a speculative-decoding draft distilled from the target's own text (corpus, train)"),
 }
 
 

@@ -91,7 +91,8 @@ class LLMEngine:
         draft = None
         if self.speculative is not None and self.speculative.method == "draft_model":
             from kvlab.engine.llm import load_for_engine
-            draft, draft_tokenizer = load_for_engine(self.speculative.model, "dense")
+            import os
+            draft, draft_tokenizer = load_for_engine(os.path.expanduser(self.speculative.model), "dense")
             if draft.config.vocab_size != mc.vocab_size:
                 raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
@@ -114,12 +115,17 @@ class LLMEngine:
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
-        paged_step = None
+        paged_step = draft_step = None
         if config.fused:
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
+            if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
+                from kvlab.nn.pack import pack_q8_0  # a trained draft is dense: Q8_0 lets the C step run it
+                packed = pack_q8_0(draft)
+                draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
+                draft = packed if draft_step is not None else draft
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len)
+                                  self.max_model_len, draft_step)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()

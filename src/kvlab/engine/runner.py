@@ -10,6 +10,14 @@ same pass as everyone else's prompt chunks, and the acceptance rule decides what
 emitted. The K/V the target wrote for rejected drafts lie past `num_computed`: they are
 never read, and their blocks are handed back (BlockManager.trim).
 
+Where the C paged step applies, a step in which every sequence decodes (plain decode, or
+speculative verification of [last token, drafts]) is one C call, each fed token a row of its
+own at its own position (kvlab.nn.paged_decode, `PagedDecodeStep.feeds`); so are the
+proposers' rounds: the self-draft as the C step cut to the target's first layers, a draft
+model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
+Steps that carry prompt chunks, and a draft model's catch-up over a whole prompt, run
+module by module.
+
 Test hook: with KVLAB_FAULT_INJECT=ID in the environment, a step that feeds token ID from a
 prompt raises RuntimeError before the model runs, as a failing kernel would; the reliability
 tests use it to check that such a request fails alone and frees its blocks. Unset, it costs
@@ -32,12 +40,13 @@ from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
+C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
 
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
                  speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
-                 max_model_len: Optional[int] = None) -> None:
+                 max_model_len: Optional[int] = None, draft_step=None) -> None:
         self.model, self.pool = model, pool
         self.generator = torch.Generator().manual_seed(seed)
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
@@ -46,12 +55,16 @@ class ModelRunner:
         self.spec, self.draft_model, self.draft_pool = speculative, draft_model, draft_pool
         self.spec_stats = SpecStats()
         self.max_model_len = max_model_len or model.config.max_seq_len
+        self.draft_step = draft_step  # the draft model's C step over draft_pool, where one applies
         if speculative is not None and speculative.method == "self":
             layers = model.config.n_layers
             self.self_layers = speculative.num_layers or max(1, layers // 4)
             if not 1 <= self.self_layers < layers:
                 raise RequestError(f"a self-draft needs 1 to {layers - 1} of the target's {layers} layers, "
                                    f"got num_layers={self.self_layers}", "speculative_config")
+            if paged_step is not None:
+                from kvlab.nn.paged_decode import PagedDecodeStep
+                self.draft_step = PagedDecodeStep(model, pool, paged_step.max_rows, self.self_layers)
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[list[Sampled]]:
@@ -74,6 +87,10 @@ class ModelRunner:
         if self.paged_step is not None and batch.is_decode:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
+        elif self.paged_step is not None and all(decoding):  # verification: a row per fed token, in C
+            logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
+                                           [seq.block_table for seq in seqs])
+            rows = [list(range(int(end) - n, int(end))) for end, n in zip(ends, lens)]
         else:
             picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
                      zip(ends, lens, drafts)]
@@ -142,10 +159,13 @@ class ModelRunner:
                 begin = seq.draft_computed if own and round_ == 0 else seq.num_tokens - 1 + round_
                 starts.append(begin)
                 feeds.append(ids[begin:seq.num_tokens + round_])
-            batch = StepBatch.build(starts, [len(f) for f in feeds], [seqs[i].block_table for i in live],
-                                    pool.block_size)
-            logits = model(torch.tensor([[t for f in feeds for t in f]]), pool, last_only=True, step=batch,
-                           num_layers=layers)[0]
+            tables = [seqs[i].block_table for i in live]
+            if self.draft_step is not None and max(len(f) for f in feeds) <= C_FEED_LIMIT:
+                logits = self.draft_step.feeds(feeds, starts, tables)[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
+            else:
+                batch = StepBatch.build(starts, [len(f) for f in feeds], tables, pool.block_size)
+                logits = model(torch.tensor([[t for f in feeds for t in f]]), pool, last_only=True, step=batch,
+                               num_layers=layers)[0]
             for row, i in enumerate(live):
                 seq = seqs[i]
                 if seq.params.greedy:

@@ -45,18 +45,20 @@ def _qstack(layer: nn.Module) -> QStack:
 
 
 def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dtype: int,
-                 group_size: int = 0) -> tuple[LlamaModel, ctypes.Array]:
+                 group_size: int = 0, num_layers: Optional[int] = None) -> tuple[LlamaModel, ctypes.Array]:
     """The C model for `model` (why_not_model is None) whose layer i keeps K/V in sides[i].
 
+    `num_layers` keeps only the first layers, then the final norm and LM head (a self-draft).
     Returns the struct and its layer array, which must outlive every call that uses the struct.
     """
     config = model.config
-    layers = (LlamaLayer * len(model.blocks))(*(
+    blocks = list(model.blocks)[:num_layers] if num_layers else list(model.blocks)
+    layers = (LlamaLayer * len(blocks))(*(
         LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), _qstack(block.attn.qkv),
                    _qmatrix(block.attn.o), _qstack(block.mlp.gate_up), _qmatrix(block.mlp.down), k, v)
-        for block, (k, v) in zip(model.blocks, sides)))
+        for block, (k, v) in zip(blocks, sides)))
     rope = model.rope
-    struct = LlamaModel(config.n_layers, config.dim, config.n_heads, config.kv_heads, config.head_size,
+    struct = LlamaModel(len(blocks), config.dim, config.n_heads, config.kv_heads, config.head_size,
                         config.ffn_size, config.vocab_size, rope.max_seq_len, int(rope.style == INTERLEAVED),
                         cache_dtype, group_size, config.norm_eps, rope.cos.data_ptr(), rope.sin.data_ptr(), layers,
                         model.norm.weight.data_ptr(), _qmatrix(model.lm_head))

@@ -13,6 +13,15 @@ same int8 codes), so the module path, which stays the reference, can run any lat
 `paged_step_for(model, pool, max_rows)` returns a `PagedDecodeStep`, a callable
 (ids [S], StepBatch) -> logits [S, V] for steps where every sequence feeds one token, or
 None where `why_not_paged` names a reason (the engine then runs module by module).
+
+Several tokens of one sequence (a speculative verification: the last token and k drafts)
+run as several rows that share the sequence's block table, at consecutive positions
+(`PagedDecodeStep.feeds`). Within each layer the C step writes every row's K/V before any
+row attends, and row r attends over positions 0..positions[r] only, so the row at p + i
+sees the K/V of the rows at p..p + i - 1 written in that same layer: exactly causal
+attention over the new tokens, with no change to the C step. `num_layers` runs only the
+first layers, then the final norm and LM head: the self-draft, writing the same K/V into
+those layers' pool tensors as the full model does.
 """
 
 from __future__ import annotations
@@ -82,7 +91,7 @@ class PagedDecodeStep:
     demand and kept until the step is garbage-collected.
     """
 
-    def __init__(self, model: Decoder, pool: KVPool, max_rows: int):
+    def __init__(self, model: Decoder, pool: KVPool, max_rows: int, num_layers: Optional[int] = None):
         reason = why_not_paged(model, pool)
         if reason is not None:
             raise ValueError(f"cannot run the paged decode step in C: {reason}")
@@ -104,7 +113,7 @@ class PagedDecodeStep:
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
         self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, model.config.head_size),
-                                                  group_size)
+                                                  group_size, num_layers)
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
@@ -118,9 +127,24 @@ class PagedDecodeStep:
             raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
         if batch.block_size != self.pool.block_size:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
-        positions = batch.positions.to(torch.int32).contiguous()
-        widest = max(len(table) for table in batch.block_tables)
-        tables = torch.tensor([table + [0] * (widest - len(table)) for table in batch.block_tables], dtype=torch.int32)
+        return self.rows(ids.reshape(rows), batch.positions, batch.block_tables)
+
+    def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+        """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order.
+
+        Each token is a row of its own (see the module doc); blocks must already cover every position.
+        """
+        ids = [t for feed in feeds for t in feed]
+        positions = [start + i for feed, start in zip(feeds, starts) for i in range(len(feed))]
+        tables = [table for feed, table in zip(feeds, block_tables) for _ in feed]
+        return self.rows(torch.tensor(ids), torch.tensor(positions), tables)
+
+    def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
+        """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] -> logits [R, V]."""
+        rows = int(ids.numel())
+        positions = positions.to(torch.int32).contiguous()
+        widest = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
         x = self.model.embed(ids.reshape(rows)).float().contiguous()
         logits = torch.empty(rows, self.model.config.vocab_size)
         status = kernels().llama_paged_decode_step(ctypes.byref(self._struct), rows, positions.data_ptr(),
@@ -135,6 +159,6 @@ def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return tensor.data_ptr() if tensor is not None else None
 
 
-def paged_step_for(model: Decoder, pool, max_rows: int) -> Optional[PagedDecodeStep]:
+def paged_step_for(model: Decoder, pool, max_rows: int, num_layers: Optional[int] = None) -> Optional[PagedDecodeStep]:
     """The C paged decode step for `model` on `pool`, or None where `why_not_paged` names a reason."""
-    return PagedDecodeStep(model, pool, max_rows) if why_not_paged(model, pool) is None else None
+    return PagedDecodeStep(model, pool, max_rows, num_layers) if why_not_paged(model, pool) is None else None

@@ -129,7 +129,13 @@ def save_atomic(obj: dict, path: Path) -> None:
 
 
 class Trainer:
-    """Trains `model` on `corpus`; with `checkpoint` set, resumes from it and keeps it current."""
+    """Trains `model` on `corpus`; with `checkpoint` set, resumes from it and keeps it current.
+
+    What a batch is and what it costs are four methods (`train_batch`, `batch_loss`,
+    `batch_tokens`, `validation_batches`): next-character cross-entropy on a CharCorpus here;
+    a subclass swaps them for another objective (kvlab.draft.distill) and keeps the loop,
+    the schedule, the checkpoints and resuming as they are.
+    """
 
     def __init__(self, model: torch.nn.Module, corpus: CharCorpus, config: TrainConfig,
                  checkpoint: Optional[Path] = None, progress: bool = True, label: str = "train",
@@ -139,7 +145,7 @@ class Trainer:
         self.progress, self.label, self.log = progress, label, log
         self.optimizer = make_optimizer(model, config)
         self.state = TrainState()
-        self.val_batches = eval_batches(corpus.val, config.eval_batches, config.batch_size, config.block_size)
+        self.val_batches = self.validation_batches()
         if self.checkpoint is not None and self.checkpoint.exists():
             self._resume()
 
@@ -147,13 +153,41 @@ class Trainer:
     def done(self) -> bool:
         return self.state.step >= self.config.steps
 
-    def fit(self, stop_after: Optional[int] = None) -> TrainState:
-        """Train to `config.steps` (or stop once `stop_after` steps are done, as a kill would)."""
+    # -- the objective (overridden by subclasses) ------------------------------------------------
+
+    def train_batch(self, step: int):
+        """Step `step`'s batch: a pure function of (seed, step), so a resumed run draws the same ones."""
+        config = self.config
+        return train_batch(self.corpus, config.seed, step, config.batch_size, config.block_size)
+
+    def batch_loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return loss_on(self.model, x, y)
+
+    def batch_tokens(self, batch) -> int:
+        return int(batch[0].numel())
+
+    def validation_batches(self) -> list:
+        config = self.config
+        return eval_batches(self.corpus.val, config.eval_batches, config.batch_size, config.block_size)
+
+    def validation_loss(self) -> float:
+        return mean_loss(self.model, self.val_batches)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def fit(self, stop_after: Optional[int] = None, max_seconds: Optional[float] = None) -> TrainState:
+        """Train to `config.steps` (or stop once `stop_after` steps are done, as a kill would).
+
+        `max_seconds` ends the run early, after a checkpoint, once that much wall time has
+        passed: a long training run in slices that each fit a time budget.
+        """
         config, state = self.config, self.state
         end = config.steps if stop_after is None else min(config.steps, stop_after)
         self.model.train()
         bar = self._bar(end)
         window: list[float] = []
+        started = time.monotonic()
         while state.step < end:
             loss = self._step()
             window.append(loss)
@@ -164,8 +198,11 @@ class Trainer:
             if state.step % config.eval_every == 0 or state.step == config.steps:
                 self._evaluate(sum(window) / len(window))
                 window = []
-            if state.step % config.checkpoint_every == 0 or state.step == end:
+            out_of_time = max_seconds is not None and time.monotonic() - started > max_seconds
+            if state.step % config.checkpoint_every == 0 or state.step == end or out_of_time:
                 self.save()
+            if out_of_time:
+                break
         if bar is not None:
             bar.close()
         self.model.eval()
@@ -176,20 +213,20 @@ class Trainer:
         lr = lr_at(state.step, config)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = train_batch(self.corpus, config.seed, state.step, config.batch_size, config.block_size)
+        batch = self.train_batch(state.step)
         start = time.perf_counter()
-        loss = loss_on(self.model, x, y)
+        loss = self.batch_loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
         self.optimizer.step()
         state.train_seconds += time.perf_counter() - start
-        state.tokens += x.numel()
+        state.tokens += self.batch_tokens(batch)
         return loss.item()
 
     def _evaluate(self, train_loss: float) -> None:
         state = self.state
-        val = mean_loss(self.model, self.val_batches)
+        val = self.validation_loss()
         state.history.append({"step": state.step, "lr": lr_at(state.step - 1, self.config),
                               "train_loss": train_loss, "val_loss": val})
         if self.log is not None:

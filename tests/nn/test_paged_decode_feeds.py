@@ -1,0 +1,59 @@
+"""The C paged step fed several tokens per sequence (speculative verification) and cut to the
+first layers (the self-draft), against the module path: logits at every fed position."""
+
+import pytest
+import torch
+
+from kvlab.cache.pool import KVPool
+from kvlab.cache.step import StepBatch
+from kvlab.nn.paged_decode import PagedDecodeStep
+from test_fused_decode import GQA, assert_close_to_scale, ggml_model
+
+from needs import require_kernels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels_lib():
+    return require_kernels()
+
+
+BLOCK = 4
+
+
+def prefilled(model, prompt_lens, seed=0):
+    """Two identical pools holding each sequence's prompt (module path), and the sequences' block tables."""
+    pools = [KVPool.for_model(model.config, 40, BLOCK) for _ in range(2)]
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables, at = [], 0
+    for n in prompt_lens:
+        need = (n + 8) // BLOCK + 1
+        tables.append(order[at:at + need])
+        at += need
+    tokens = torch.randint(0, model.config.vocab_size, (1, sum(prompt_lens)), generator=torch.Generator().manual_seed(1))
+    batch = StepBatch.build([0] * len(prompt_lens), prompt_lens, tables, BLOCK)
+    with torch.inference_mode():
+        for pool in pools:
+            model(tokens, pool, last_only=True, step=batch)
+    return pools, tables
+
+
+@pytest.mark.parametrize("config", [GQA, GQA.with_kv_heads(1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("num_layers", [None, 1])
+def test_several_tokens_per_sequence_equal_the_module_path(config, num_layers):
+    model = ggml_model(config)
+    prompt_lens, feed_lens = [3, 7, 5], [4, 1, 6]  # a verification of 3 drafts, a plain decode, one of 5
+    (ours, reference), tables = prefilled(model, prompt_lens)
+    feeds = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(7 + i)).tolist()
+             for i, n in enumerate(feed_lens)]
+    step = PagedDecodeStep(model, ours, max_rows=4, num_layers=num_layers)
+    got = step.feeds(feeds, prompt_lens, tables)
+    batch = StepBatch.build(prompt_lens, feed_lens, tables, BLOCK)
+    with torch.inference_mode():
+        want = model(torch.tensor([[t for f in feeds for t in f]]), reference, step=batch,
+                     rows=torch.arange(sum(feed_lens)), num_layers=num_layers)[0]
+    assert got.shape == want.shape == (sum(feed_lens), config.vocab_size)
+    assert_close_to_scale(got, want)
+    for layer in range(num_layers or config.n_layers):  # the K/V it wrote are the module path's
+        assert_close_to_scale(ours.k[layer]["x"], reference.k[layer]["x"])
+    if num_layers:  # layers past the cut are untouched
+        torch.testing.assert_close(ours.k[num_layers]["x"], reference.k[num_layers]["x"], rtol=0, atol=0)
