@@ -25,6 +25,8 @@ COMMANDS = {
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
     "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
+    "eval": ("eval_cmd", "quality under a KV setting: perplexity and passkey retrieval through the cache"),
+    "calibrate-kv": ("calibrate_kv_cmd", "fit KVQuant's per-layer KV codebooks on calibration text (kvquant3/4)"),
     "bench": ("bench_cmd", "benchmarks: throughput (offline, through the engine), serve (a server under load)"),
 }
 
