@@ -116,3 +116,32 @@ def test_cli_resumes_and_reports_mistakes_in_one_line(tmp_path, capsys) -> None:
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "Traceback" not in err
+
+
+def test_kvquant_on_a_real_model_calibrates_holds_the_planned_bytes_and_tracks_fp32(loaded, tmp_path) -> None:
+    from kvlab.cache.kvquant_calibration import load_calibration, save_calibration
+    from kvlab.evals.calibrate import calibrate
+    from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence, kv_fixed_bytes
+
+    model = loaded.model.eval()
+    ids = text_ids(loaded, 600)
+    before = model.embed.weight.requires_grad
+    weighted = calibrate(model, ids, context=128, windows=2, sensitivity=True)
+    plain = calibrate(model, ids, context=128, windows=2, sensitivity=False)
+    assert not torch.equal(weighted.layers[0].v_codebooks[3], plain.layers[0].v_codebooks[3])
+    # calibration leaves the model as it found it: same flags, no gradients left behind
+    assert model.embed.weight.requires_grad == before and all(p.grad is None for p in model.parameters())
+    save_calibration(weighted, tmp_path / "c.safetensors")
+    cal = load_calibration(tmp_path / "c.safetensors", model.config)
+    spec, held = model.config.to_plan_spec(), ids[300:400]
+    results = {}
+    for dtype in ("fp32", "kvquant4", "kvquant3"):
+        setting = KVSetting(dtype)
+        caches = []
+        results[dtype] = perplexity(model, [held], lambda n: caches.append(new_cache(model, setting, n, cal))
+                                    or caches[-1], 32)["perplexity"]
+        if dtype != "fp32":
+            formats = cache_formats(dtype)
+            planned = kv_bytes_per_sequence(spec, len(held) - 1, formats) + kv_fixed_bytes(spec, formats)
+            assert caches[0].nbytes() == planned
+    assert results["kvquant4"] < results["fp32"] * 1.10 and results["kvquant3"] < results["fp32"] * 1.25
