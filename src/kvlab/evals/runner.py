@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from kvlab.evals.passkey import run_cell
 from kvlab.evals.perplexity import perplexity, text_windows

