@@ -31,6 +31,8 @@ COMMANDS = {
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
     "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare (peers)"),
     "draft": ("draft_cmd", "a speculative-decoding draft distilled from the target's own text (corpus, train)"),
+    "eval": ("eval_cmd", "quality under a KV setting: perplexity and passkey retrieval through the cache"),
+    "calibrate-kv": ("calibrate_kv_cmd", "fit KVQuant's per-layer KV codebooks on calibration text (kvquant3/4)"),
 }
 
 

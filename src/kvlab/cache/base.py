@@ -125,6 +125,11 @@ class KVCache(CacheStore):
             keys = self.rope(keys, torch.arange(end, device=keys.device))
         return keys.to(self.compute_dtype), values.to(self.compute_dtype)
 
+    def window_mask(self, layer_idx: int, new_tokens: int) -> Optional[Tensor]:
+        """The [new, held] mask of the last `update`'s queries, for a cache that drops tokens; None:
+        plain causal (every cache that keeps all its tokens)."""
+        return None
+
     def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         raise NotImplementedError
 

@@ -29,6 +29,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--params", type=positive_float, help="parameter count, e.g. 8e9")
     shape.add_argument("--mla-rank", type=positive_int, help="what-if MLA: latent rank (kv_lora_rank)")
     shape.add_argument("--mla-rope-dim", type=positive_int, default=None, help="what-if MLA: RoPE key dim (64)")
+    shape.add_argument("--kv-window", type=positive_int,
+                       help="what-if sinks + window cache (StreamingLLM): full layers hold --sink-tokens + this many")
+    shape.add_argument("--sink-tokens", type=int, default=0, help="with --kv-window: attention sinks kept (0)")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -50,6 +53,10 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
         spec = spec.with_mla(args.mla_rank, 64 if args.mla_rope_dim is None else args.mla_rope_dim)
     elif args.mla_rope_dim is not None:
         raise PlanError("--mla-rope-dim needs --mla-rank")
+    if getattr(args, "kv_window", None) is not None:
+        spec = spec.with_kv_window(args.kv_window, args.sink_tokens)
+    elif getattr(args, "sink_tokens", 0):
+        raise PlanError("--sink-tokens needs --kv-window")
     return spec
 
 

@@ -25,14 +25,18 @@ def causal_mask(new_tokens: int, total_tokens: int, device: torch.device) -> tor
     return torch.arange(total_tokens, device=device)[None, :] <= rows
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+           mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of q [B,Hq,Tq,D] over k/v [B,Hkv,Tk,D] whose last Tq positions are q's.
 
     One new token sees everything (no mask); a prompt on an empty cache is plain causal; a
     chunk after cached tokens needs the offset mask SDPA's `is_causal` (top-left) cannot express.
+    A cache that drops tokens (sinks + window) gives its own boolean [Tq, Tk] `mask`.
     """
     new, total = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if new == 1:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if new == total:
@@ -75,9 +79,11 @@ class Attention(nn.Module):
         else:
             rotated = rope(heads[:, :q_and_k], start)  # queries and keys in one call
             q, k = rotated[:, :self.n_heads], rotated[:, self.n_heads:]
+        mask = None
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        y = attend(q, k, v)
+            mask = cache.window_mask(layer, new) if hasattr(cache, "window_mask") else None
+        y = attend(q, k, v, mask=mask)
         return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))
 
     def _forward_step(self, x: torch.Tensor, rope: RoPE, pool, layer: int, step: StepBatch) -> torch.Tensor:

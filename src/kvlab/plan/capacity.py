@@ -92,6 +92,18 @@ def layer_kv_bytes_per_token(layer: LayerAttention, formats: CacheFormats, tenso
             + formats.v.bytes_per_token("v", heads, layer.v_head_dim))
 
 
+def kv_fixed_bytes(spec: ModelSpec, formats: CacheFormats, tensor_parallel: int = 1) -> int:
+    """Bytes a cache holds once per model on one rank, whatever its sequences: KVQuant's per-layer
+    codebooks and key channel statistics (0 for every other format)."""
+    total = 0
+    for layer in spec.layers:
+        if layer.kv_shared or layer.is_state or layer.is_mla:
+            continue
+        heads = kv_heads_per_rank(layer.kv_heads, tensor_parallel)
+        total += formats.k.fixed_bytes("k", heads, layer.k_head_dim) + formats.v.fixed_bytes("v", heads, layer.v_head_dim)
+    return total
+
+
 def kv_bytes_per_token(spec: ModelSpec, formats: CacheFormats, tensor_parallel: int = 1) -> float:
     """Bytes per token over all layers while the context fits every window."""
     total = sum(layer_kv_bytes_per_token(layer, formats, tensor_parallel) for layer in spec.layers)

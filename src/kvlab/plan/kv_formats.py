@@ -16,6 +16,14 @@ Conventions (chosen to match what the caches really hold):
   group). The newest tokens stay in full precision: a sequence of T tokens holds
   max(0, (T - R) // G) * G quantised tokens and the rest (between R and R + G - 1 once
   T >= R) in the residual, stored in the model's dtype. R must be a multiple of G.
+- KVQuant formats (kvquant3/kvquant4, Hooper et al., 2024) store each token's head vector as
+  `bits`-bit indices into a per-layer non-uniform codebook (packed: ceil(dim * bits / 8) bytes),
+  an fp16 scale and zero point per row, and its `ceil(dim * outlier_percent / 100)` largest
+  values in fp16 with their channel indices (one byte each up to 256 channels, else two): the
+  dense-and-sparse split. Per layer and side the cache also holds a fixed `fixed_bytes`: the
+  fp16 codebook of 2**bits centroids, and for keys an fp16 per-channel mean and scale for each
+  head (the offline per-channel normalisation of pre-RoPE keys). Fixed bytes are per model,
+  not per sequence: a pool pays them once.
 """
 
 from __future__ import annotations
@@ -27,12 +35,16 @@ from kvlab.plan.errors import PlanError
 FLOAT = "float"
 GROUP = "group"
 KIVI = "kivi"
+KVQUANT = "kvquant"
 
 SCALE_BYTES = 2  # fp16 scale per quantisation group
 ZERO_BYTES = 2  # fp16 zero point per quantisation group
 DEFAULT_GROUP_SIZE = 64  # transformers' QuantizedCache q_group_size
 DEFAULT_KIVI_GROUP = 32  # KIVI paper
 DEFAULT_KIVI_RESIDUAL = 128  # KIVI paper
+DEFAULT_OUTLIER_PERCENT = 1  # KVQuant's dense-and-sparse split keeps 1% of values in fp16
+CODEBOOK_BYTES = 2  # fp16 per centroid
+CHANNEL_STAT_BYTES = 2  # fp16 per-channel mean and scale of pre-RoPE keys
 
 _FLOAT_BYTES = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -43,8 +55,10 @@ _FLOAT_BYTES = {
 _CANONICAL = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "fp8": "fp8_e4m3"}
 _GROUP_BITS = {"int8": 8, "int4": 4, "int2": 2}
 _KIVI_BITS = {"kivi2": 2, "kivi4": 4}
+_KVQUANT_BITS = {"kvquant3": 3, "kvquant4": 4}
 MODEL_DTYPES = ("fp32", "fp16", "bf16")
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi2", "kivi4")
+KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi2", "kivi4",
+                   "kvquant3", "kvquant4")
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class KVFormat:
     group_size: int = 0
     residual: int = 0
     residual_bytes: int = 2  # bytes per full-precision element (KIVI residual)
+    outlier_percent: int = 0  # KVQuant: percent of each row's values kept in fp16 with their indices
 
     @property
     def is_quantised(self) -> bool:
@@ -72,6 +87,8 @@ class KVFormat:
         if self.scheme == FLOAT:
             return tokens * heads * dim * self.bits // 8
         codes_per_row = packed_row_bytes(dim, self.bits)
+        if self.scheme == KVQUANT:
+            return tokens * heads * kvquant_row_bytes(dim, self.bits, self.outlier_percent)
         if self.scheme == GROUP:
             return tokens * heads * (codes_per_row + groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES))
         quantised = kivi_quantised_tokens(tokens, self.group_size, self.residual)
@@ -82,6 +99,13 @@ class KVFormat:
             scales = quantised * heads * groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES)
         residual = (tokens - quantised) * heads * dim * self.residual_bytes
         return codes + scales + residual
+
+    def fixed_bytes(self, role: str, heads: int, dim: int) -> int:
+        """Bytes one layer's side holds whatever the tokens: KVQuant's codebook (and key channel stats)."""
+        if self.scheme != KVQUANT:
+            return 0
+        stats = 2 * heads * dim * CHANNEL_STAT_BYTES if role == "k" else 0
+        return (1 << self.bits) * CODEBOOK_BYTES + stats
 
     def bytes_per_token(self, role: str, heads: int, dim: int) -> float:
         """Marginal bytes per token far from the residual window (exact for float and group)."""
@@ -96,6 +120,22 @@ class KVFormat:
 def packed_row_bytes(dim: int, bits: int) -> int:
     """Bytes for one row of `dim` codes of `bits` bits, packed little-end-first into uint8."""
     return (dim * bits + 7) // 8
+
+
+def outliers_per_row(dim: int, outlier_percent: int) -> int:
+    """KVQuant's sparse values per row: ceil(dim * percent / 100), in integers."""
+    return (dim * outlier_percent + 99) // 100
+
+
+def outlier_index_bytes(dim: int) -> int:
+    """Bytes of one outlier's channel index: uint8 up to 256 channels, else int16."""
+    return 1 if dim <= 256 else 2
+
+
+def kvquant_row_bytes(dim: int, bits: int, outlier_percent: int) -> int:
+    """One KVQuant row: packed codebook indices, fp16 scale and zero, fp16 outliers and their indices."""
+    sparse = outliers_per_row(dim, outlier_percent) * (2 + outlier_index_bytes(dim))
+    return packed_row_bytes(dim, bits) + SCALE_BYTES + ZERO_BYTES + sparse
 
 
 def groups_per_row(dim: int, group_size: int) -> int:
@@ -133,6 +173,8 @@ def resolve_kv_format(
             raise PlanError(f"KIVI residual {window} must be a non-negative multiple of the group size {size}")
         return KVFormat(key, KIVI, _KIVI_BITS[key], group_size=size, residual=window,
                         residual_bytes=_FLOAT_BYTES[model_dtype])
+    if key in _KVQUANT_BITS:
+        return KVFormat(key, KVQUANT, _KVQUANT_BITS[key], outlier_percent=DEFAULT_OUTLIER_PERCENT)
     raise PlanError(f"unknown KV cache dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 

@@ -162,6 +162,16 @@ class ModelSpec:
             layers.append(replace(layer, kind=kind, kv_heads=kv_heads, kv_lora_rank=0, qk_rope_head_dim=0))
         return replace(self, layers=tuple(layers), name=f"{self.name} [kv_heads={kv_heads}]")
 
+    def with_kv_window(self, window: int, sinks: int = 0) -> "ModelSpec":
+        """Served with a sinks + window cache (StreamingLLM): every full-attention layer holds at most
+        sinks + window tokens, counted exactly like a sliding-window layer of that width."""
+        if window <= 0 or sinks < 0:
+            raise PlanError(f"--kv-window must be positive and --sink-tokens non-negative, got {window}, {sinks}")
+        layers = tuple(replace(layer, kind=SLIDING, window=window + sinks) if layer.kind == FULL
+                       else replace(layer, window=min(layer.window, window + sinks)) if layer.kind == SLIDING
+                       else layer for layer in self.layers)
+        return replace(self, layers=layers, name=f"{self.name} [sinks {sinks} + window {window}]")
+
     def with_mla(self, kv_lora_rank: int, qk_rope_head_dim: int) -> "ModelSpec":
         """The same model with MLA latent attention on every layer (TransMLA/MHA2MLA what-if)."""
         if kv_lora_rank <= 0 or qk_rope_head_dim < 0:

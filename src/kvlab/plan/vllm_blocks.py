@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 from kvlab.plan.capacity import CacheFormats, layer_kv_bytes
 from kvlab.plan.errors import PlanError
-from kvlab.plan.kv_formats import KIVI
+from kvlab.plan.kv_formats import KIVI, KVQUANT
 from kvlab.plan.spec import CHUNKED, SLIDING, LayerAttention, ModelSpec
 
 GIB = 2**30
@@ -92,6 +92,8 @@ def kv_groups(spec: ModelSpec, formats: CacheFormats, block_size: int, tensor_pa
     """The model's layers grouped as vLLM's hybrid allocator groups them (`hybrid=False`: all as full)."""
     if KIVI in (formats.k.scheme, formats.v.scheme):
         raise PlanError("vLLM has no KIVI cache; use --engine kvlab for kivi2/kivi4")
+    if KVQUANT in (formats.k.scheme, formats.v.scheme):
+        raise PlanError("vLLM has no KVQuant cache; use --engine kvlab for kvquant3/kvquant4")
     if spec.has_state:
         raise PlanError("--engine vllm does not model linear-attention or state-space layers (vLLM aligns their "
                         "state pages with attention blocks); use --engine kvlab")

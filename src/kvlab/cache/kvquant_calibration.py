@@ -1,0 +1,166 @@
+"""KVQuant's offline calibration: per-layer codebooks and key channel statistics, fitted and stored.
+
+`fit_layer` turns one layer's calibration activations (pre-RoPE keys and values, [H, N, D],
+optionally with Fisher weights: the squared gradients of the loss) into what the cache needs.
+Codebooks are fitted by weighted 1-D k-means on the dense part of each row after the same
+normalisation the codec applies (kvquant.py), so centroids sit where normalised values are
+dense, or, sensitivity-weighted, where errors cost the loss most. A weight w on value x maps
+to w * (row scale * channel scale)^2 on its normalised value u, since an error e in u is an
+error of that many times e in x.
+
+Stored as one safetensors file (tensors plus the shape and provenance in its metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kvlab.cache.base import CacheError
+from kvlab.cache.kvquant import dense_range, split_outliers
+from kvlab.plan.kv_formats import DEFAULT_OUTLIER_PERCENT, outliers_per_row
+
+BITS = (3, 4)
+KMEANS_ITERATIONS = 40
+MIN_SCALE = 1e-4  # a channel that never moves keeps scale 1e-4, not 0 (no division by zero)
+
+
+@dataclass
+class LayerCalibration:
+    k_mean: Tensor  # [H, D] fp16
+    k_scale: Tensor  # [H, D] fp16
+    k_codebooks: dict[int, Tensor]  # bits -> [2**bits] in [0, 1]
+    v_codebooks: dict[int, Tensor]
+
+
+@dataclass
+class KVQuantCalibration:
+    kv_heads: int
+    head_dim: int
+    layers: list[LayerCalibration]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def bits(self) -> set[int]:
+        return set(self.layers[0].k_codebooks) if self.layers else set()
+
+
+def weighted_kmeans_1d(u: Tensor, weights: Optional[Tensor], centroids: int,
+                       iterations: int = KMEANS_ITERATIONS) -> Tensor:
+    """Lloyd's algorithm on values in [0, 1]; starts from the weighted quantiles, returns sorted centroids."""
+    u = u.flatten().double()
+    w = torch.ones_like(u) if weights is None else weights.flatten().double().clamp_min(0)
+    if float(w.sum()) <= 0:
+        w = torch.ones_like(u)
+    order = u.argsort()
+    cumulative = w[order].cumsum(0) / w.sum()
+    targets = (torch.arange(centroids, dtype=torch.float64) + 0.5) / centroids
+    c = u[order][torch.searchsorted(cumulative, targets).clamp_max(u.numel() - 1)]
+    for _ in range(iterations):
+        middles = (c[1:] + c[:-1]) / 2
+        assign = torch.bucketize(u, middles)
+        mass = torch.zeros(centroids, dtype=torch.float64).index_add_(0, assign, w)
+        total = torch.zeros(centroids, dtype=torch.float64).index_add_(0, assign, w * u)
+        c = torch.where(mass > 0, total / mass.clamp_min(1e-300), c).sort().values
+    return c.float()
+
+
+def normalised_dense(x: Tensor, weights: Optional[Tensor], outlier_percent: int,
+                     channel_scale: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """The codec's [0, 1] values of the dense part of rows x [..., D], and their weights in that space."""
+    _, _, mask = split_outliers(x, outliers_per_row(x.shape[-1], outlier_percent))
+    zero, scale = dense_range(x, mask)
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    u = ((x - zero.float()) / step).clamp(0, 1)
+    keep = ~mask
+    if weights is None:
+        return u[keep], None
+    w = weights * step ** 2
+    if channel_scale is not None:
+        w = w * channel_scale ** 2
+    return u[keep], w[keep]
+
+
+def fit_layer(k: Tensor, v: Tensor, k_weights: Optional[Tensor] = None, v_weights: Optional[Tensor] = None,
+              bits: tuple[int, ...] = BITS, outlier_percent: int = DEFAULT_OUTLIER_PERCENT) -> LayerCalibration:
+    """One layer's calibration from pre-RoPE keys and values [H, N, D] (and Fisher weights, same shape)."""
+    k, v = k.float(), v.float()
+    mean = k.mean(dim=1)
+    scale = (k - mean[:, None]).abs().amax(dim=1).clamp_min(MIN_SCALE)
+    mean16, scale16 = mean.to(torch.float16), scale.to(torch.float16)
+    kn = (k - mean16.float()[:, None]) / scale16.float()[:, None]  # exactly what the codec will see
+    channel = scale16.float()[:, None].expand_as(k)
+    ku, kw = normalised_dense(kn, k_weights, outlier_percent, channel)
+    vu, vw = normalised_dense(v, v_weights, outlier_percent)
+    return LayerCalibration(mean16, scale16, {b: weighted_kmeans_1d(ku, kw, 1 << b) for b in bits},
+                            {b: weighted_kmeans_1d(vu, vw, 1 << b) for b in bits})
+
+
+def save_calibration(calibration: KVQuantCalibration, path: Path) -> None:
+    """Write atomically (temporary file beside it, then rename)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, layer in enumerate(calibration.layers):
+        tensors[f"layers.{i}.k_mean"] = layer.k_mean.contiguous()
+        tensors[f"layers.{i}.k_scale"] = layer.k_scale.contiguous()
+        for b in layer.k_codebooks:
+            tensors[f"layers.{i}.k_codebook{b}"] = layer.k_codebooks[b].contiguous()
+            tensors[f"layers.{i}.v_codebook{b}"] = layer.v_codebooks[b].contiguous()
+    meta = {"format": "kvlab-kvquant-calibration", "kv_heads": str(calibration.kv_heads),
+            "head_dim": str(calibration.head_dim), "layers": str(len(calibration.layers)),
+            "bits": ",".join(str(b) for b in sorted(calibration.bits)), "info": json.dumps(calibration.meta)}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_calibration(path: Path, config=None) -> KVQuantCalibration:
+    """Read a calibration; with a model `config`, check it was made for that many layers, heads and dims."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CacheError(f"no KVQuant calibration at {path}: run `kvlab calibrate-kv MODEL --data FILE` "
+                         f"(with the same --kv-heads) or give --kv-calibration")
+    try:
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as error:  # safetensors raises its own error types for a corrupt file
+        raise CacheError(f"{path} is not a KVQuant calibration ({error})") from None
+    if meta.get("format") != "kvlab-kvquant-calibration":
+        raise CacheError(f"{path} is not a KVQuant calibration written by kvlab calibrate-kv")
+    bits = [int(b) for b in meta["bits"].split(",")]
+    layers = [LayerCalibration(tensors[f"layers.{i}.k_mean"], tensors[f"layers.{i}.k_scale"],
+                               {b: tensors[f"layers.{i}.k_codebook{b}"] for b in bits},
+                               {b: tensors[f"layers.{i}.v_codebook{b}"] for b in bits})
+              for i in range(int(meta["layers"]))]
+    calibration = KVQuantCalibration(int(meta["kv_heads"]), int(meta["head_dim"]), layers, json.loads(meta["info"]))
+    if config is not None:
+        want = (config.n_layers, config.kv_heads, config.head_size)
+        got = (len(layers), calibration.kv_heads, calibration.head_dim)
+        if want != got:
+            raise CacheError(f"{path} was calibrated for {got[0]} layers x {got[1]} KV heads x {got[2]} dims, "
+                             f"this model has {want[0]} x {want[1]} x {want[2]}; recalibrate with its --kv-heads")
+    return calibration
+
+
+def default_calibration_path(model_path: str, kv_heads: Optional[int] = None, method: str = "mean") -> Path:
+    """Beside the model: `<file>.kvquant.safetensors`, or `kvquant.safetensors` in an HF directory."""
+    suffix = "" if kv_heads is None else f"-kvh{kv_heads}-{method}"
+    path = Path(model_path)
+    if path.is_dir():
+        return path / f"kvquant{suffix}.safetensors"
+    return path.with_name(path.name + f".kvquant{suffix}.safetensors")

