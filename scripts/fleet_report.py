@@ -24,7 +24,7 @@ OUT = ROOT / "reports" / "fleet"
 
 from kvlab.bench.provenance import provenance  # noqa: E402
 from kvlab.cli import build_parser  # noqa: E402
-from kvlab.fleet.scenario import scenario_from_args  # noqa: E402
+from kvlab.commands.fleet_scenario import scenario_from_args  # noqa: E402
 from kvlab.fleet.step_cost import (DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_COMPUTE_EFFICIENCY,  # noqa: E402
                                    DEFAULT_STEP_OVERHEAD_S, EFFICIENCY_SOURCES)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
 
+from kvlab.bench.json_file import write_json
 from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int
 from kvlab.commands.bench_serve_cmd import concurrency_list
 
@@ -141,11 +141,3 @@ def run_compare(args: argparse.Namespace) -> int:
     return 130 if result["interrupted"] else 0
 
 
-def write_json(path: str, data: dict) -> None:
-    """Atomically: a temp file beside `path`, then a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    temp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    with open(temp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(temp, path)

@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_model is not None:
         from kvlab.fleet.errors import FleetError
         raise FleetError(f"unexpected argument {args.calibrate_model!r} (only `kvlab fleet calibrate MODEL` takes two)")
-    from kvlab.fleet.scenario import Scenario, scenario_from_args
+    from kvlab.commands.fleet_scenario import scenario_from_args
+    from kvlab.fleet.scenario import Scenario
     scenario: Scenario = scenario_from_args(args)
     result = scenario.run(progress=not args.json)
     if args.plot:
