@@ -22,7 +22,7 @@ from torch import Tensor
 from kvlab.cache.base import CacheError, KVCache, KVShape, Rope
 from kvlab.cache.bitpack import pack_bits, unpack_bits
 from kvlab.cache.codecs import Fields, RowCodec
-from kvlab.cache.rows import GrowingRows
+from kvlab.cache.rows import GrowingKV, GrowingRows
 from kvlab.plan.kv_formats import KVQUANT, outlier_index_bytes, outliers_per_row, packed_row_bytes, \
     resolve_kv_format
 
@@ -103,7 +103,7 @@ class KVQuantCodec(RowCodec):
         return x.to(dtype)
 
 
-class KVQuantCache(KVCache):
+class KVQuantCache(GrowingKV, KVCache):
     """Pre-RoPE KVQuant rows per layer, each layer with its own codecs; grows with the tokens held."""
 
     def __init__(self, shape: KVShape, k_codecs: list[KVQuantCodec], v_codecs: list[KVQuantCodec], rope: Rope,
@@ -116,21 +116,9 @@ class KVQuantCache(KVCache):
         self.k_rows = [GrowingRows(codec, lead, self.device) for codec in k_codecs]
         self.v_rows = [GrowingRows(codec, lead, self.device) for codec in v_codecs]
 
-    def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
-        self.k_rows[layer].append(k)
-        self.v_rows[layer].append(v)
-
-    def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        return self.k_rows[layer].read(self.compute_dtype), self.v_rows[layer].read(self.compute_dtype)
-
     def tensors(self) -> Iterator[Tensor]:
-        rows = chain.from_iterable(r.tensors() for r in self.k_rows + self.v_rows)
         constants = chain.from_iterable(c.constants() for c in self.k_codecs + self.v_codecs)
-        return chain(rows, constants)
-
-    def _clear(self) -> None:
-        for rows in self.k_rows + self.v_rows:
-            rows.clear()
+        return chain(super().tensors(), constants)
 
 
 def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens: int,

@@ -7,18 +7,16 @@ tokens: packed codes, plus an fp16 scale and zero point per group. Reads dequant
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
-from torch import Tensor
 
 from kvlab.cache.base import KVCache, KVShape, Rope
 from kvlab.cache.codecs import RowCodec
-from kvlab.cache.rows import GrowingRows
+from kvlab.cache.rows import GrowingKV, GrowingRows
 
 
-class QuantizedCache(KVCache):
+class QuantizedCache(GrowingKV, KVCache):
     """Per-token quantised K and V in any row codec, holding only the tokens written."""
 
     def __init__(self, shape: KVShape, k_codec: RowCodec, v_codec: RowCodec,
@@ -28,17 +26,3 @@ class QuantizedCache(KVCache):
         lead = (shape.batch, shape.kv_heads)
         self.k_rows = [GrowingRows(k_codec, lead, self.device) for _ in range(shape.num_layers)]
         self.v_rows = [GrowingRows(v_codec, lead, self.device) for _ in range(shape.num_layers)]
-
-    def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
-        self.k_rows[layer].append(k)
-        self.v_rows[layer].append(v)
-
-    def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        return self.k_rows[layer].read(self.compute_dtype), self.v_rows[layer].read(self.compute_dtype)
-
-    def tensors(self) -> Iterator[Tensor]:
-        return chain.from_iterable(rows.tensors() for rows in self.k_rows + self.v_rows)
-
-    def _clear(self) -> None:
-        for rows in self.k_rows + self.v_rows:
-            rows.clear()

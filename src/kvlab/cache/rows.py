@@ -8,6 +8,7 @@ for the tokens held), at the price of a copy per append.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Iterator
 
 import torch
@@ -60,3 +61,27 @@ class GrowingRows:
 
     def tensors(self) -> Iterator[Tensor]:
         return iter(self.fields.values())
+
+
+class GrowingKV:
+    """A cache's storage as one GrowingRows of K and one of V per layer (self.k_rows, self.v_rows):
+    the store, load, tensor listing and clearing that every grow-as-you-go cache shares. Mixed in
+    before KVCache by the quantised, KVQuant and sinks + window caches."""
+
+    k_rows: list[GrowingRows]
+    v_rows: list[GrowingRows]
+    compute_dtype: torch.dtype
+
+    def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        self.k_rows[layer].append(k)
+        self.v_rows[layer].append(v)
+
+    def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        return self.k_rows[layer].read(self.compute_dtype), self.v_rows[layer].read(self.compute_dtype)
+
+    def tensors(self) -> Iterator[Tensor]:
+        return chain.from_iterable(rows.tensors() for rows in self.k_rows + self.v_rows)
+
+    def _clear(self) -> None:
+        for rows in self.k_rows + self.v_rows:
+            rows.clear()

@@ -12,8 +12,7 @@ fp8, int8/4/2): rows are dropped whole.
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -21,11 +20,11 @@ from torch import Tensor
 from kvlab.cache.base import CacheError, KVCache, KVShape, Rope
 from kvlab.cache.codecs import RowCodec, make_codec
 from kvlab.cache.factory import kv_format
-from kvlab.cache.rows import GrowingRows
+from kvlab.cache.rows import GrowingKV, GrowingRows
 from kvlab.plan.kv_formats import FLOAT, GROUP
 
 
-class SinkWindowCache(KVCache):
+class SinkWindowCache(GrowingKV, KVCache):
     """Per-token rows of the sinks and the newest `window` tokens, with their absolute positions."""
 
     def __init__(self, shape: KVShape, k_codec: RowCodec, v_codec: RowCodec, window: int, sinks: int,
@@ -72,20 +71,12 @@ class SinkWindowCache(KVCache):
         self.positions[layer] = positions[index]
 
     def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
-        self.k_rows[layer].append(k)
-        self.v_rows[layer].append(v)
+        super()._store(layer, start, k, v)
         new = torch.arange(start, start + k.shape[2], device=self.device)
         self.positions[layer] = torch.cat([self.positions[layer], new])
 
-    def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        return self.k_rows[layer].read(self.compute_dtype), self.v_rows[layer].read(self.compute_dtype)
-
-    def tensors(self) -> Iterator[Tensor]:
-        return chain.from_iterable(rows.tensors() for rows in self.k_rows + self.v_rows)
-
     def _clear(self) -> None:
-        for rows in self.k_rows + self.v_rows:
-            rows.clear()
+        super()._clear()
         self.positions = [torch.empty(0, dtype=torch.long, device=self.device) for _ in range(self.num_layers)]
         self._masks: list[Optional[Tensor]] = [None] * self.num_layers
 
