@@ -191,7 +191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"tokens {sorted(set(u['completion_tokens']))}")
     print("PASSED" if result["passed"] else "FAILED")
     if args.json:
-        from kvlab.bench.json_file import write_json
+        from kvlab.studies.store import write_json
         write_json(args.json, result)
     return 0 if result["passed"] else 1
 

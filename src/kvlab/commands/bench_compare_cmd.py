@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from kvlab.bench.json_file import write_json
+from kvlab.studies.store import write_json
 from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int
 from kvlab.commands.bench_serve_cmd import concurrency_list
 
