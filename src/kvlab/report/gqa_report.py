@@ -232,7 +232,8 @@ def caveats_section(results: dict) -> list[str]:
             "- Speed is CPU decode on a shared 2-core machine; the runs were interleaved and the median kept, but "
             "other jobs can still shift numbers by tens of percent (see the load averages under Provenance).",
             "- Decode speed was measured once per variant on the first seed's weights; weights do not change "
-            "the arithmetic, so every seed's record carries its variant's figures.",
+            "the arithmetic, so those figures live once in the results' decode section, not copied into each "
+            "seed's record.",
             "- Uptraining ran once per method and head count, from one MHA model (the first seed): the method "
             "differences have no spread of their own, and the from-scratch seed range is only a proxy for it.", ""]
 
