@@ -37,3 +37,17 @@ def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
     assert engine.blocks.num_blocks == 1_000_000 // 20_480 == 48
     assert engine.pool.nbytes() == 48 * 20_480
     assert engine.capacity_lines[1] == "CPU KV cache size: 768 tokens"
+
+
+def test_kv_cache_memory_reads_sizes_as_the_flag_does(stories_model, stories_tokenizer):
+    """LLM(..., kv_cache_memory="1MiB") sizes the pool as `--kv-cache-memory 1MiB` would; a bad
+    size is a one-line KvlabError, not a TypeError from deep in the pool's sizing."""
+    from kvlab.engine.engine import EngineConfig, LLMEngine
+    from kvlab.errors import KvlabError
+
+    assert EngineConfig(kv_cache_memory="1MiB").kv_cache_memory == 2**20
+    by_text = LLMEngine(stories_model, stories_tokenizer, EngineConfig(kv_cache_memory="1MiB"))
+    by_int = LLMEngine(stories_model, stories_tokenizer, EngineConfig(kv_cache_memory=2**20))
+    assert by_text.capacity == by_int.capacity
+    with pytest.raises(KvlabError, match="cannot read"):
+        EngineConfig(kv_cache_memory="lots")

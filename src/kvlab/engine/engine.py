@@ -28,6 +28,7 @@ from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
+from kvlab.plan.units import parse_bytes
 from kvlab.plan.vllm_blocks import vllm_capacity
 
 log = logging.getLogger("kvlab.engine")
@@ -39,7 +40,8 @@ class EngineConfig:
     """vLLM's knobs (plus the seeds' max_wait_ms); see `kvlab serve --help`."""
 
     kv_cache_dtype: str = "auto"
-    kv_cache_memory: Optional[int] = None  # bytes for the pool; None: a fraction of available memory
+    kv_cache_memory: Optional[Union[int, str]] = None  # bytes ("2GiB" too) for the pool; None: a fraction of
+    # available memory
     kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
     block_size: int = 16
     max_num_seqs: int = 64
@@ -50,6 +52,12 @@ class EngineConfig:
     seed: int = 0
     fused: bool = True  # run decode steps in C where the model and pool allow
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
+
+    def __post_init__(self) -> None:
+        # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
+        # a one-line PlanError (a KvlabError), never a TypeError deep in the pool's sizing.
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
 
 
 def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
