@@ -91,6 +91,15 @@ def serve(model: str, engine: dict, port: int) -> subprocess.Popen:
     raise SystemExit("kvlab serve did not start within 120 s")
 
 
+def warm_up(model: str, port: int) -> None:
+    """Two requests before measuring: the first forward of a process (kernel load, page faults
+    in the pool, torch's first-call paths) is far slower than later ones, and the simulator's
+    calibration is of a warm engine. Among 28 requests one cold TTFT alone moves the p95."""
+    for prompt, tokens in (("Once upon a time " * 40, 16), ("Hello", 8)):
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}).raise_for_status()
+
+
 def bench(model: str, port: int, rate: float, n: int, seed: int, path: str) -> dict:
     argv = [sys.executable, "-m", "kvlab.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
             "--model", model, "--dataset-name", "random", "--input-len", str(INPUT_LEN), "--output-len",
@@ -101,6 +110,47 @@ def bench(model: str, port: int, rate: float, n: int, seed: int, path: str) -> d
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return data["results"][0] if "results" in data else data
+
+
+def engine_only(model: str, engine: dict, reqs: Requests) -> dict:
+    """The same requests through the engine in this process, no HTTP and no client: arrivals
+    replayed in real time, each step run as soon as the previous ends. Set beside the server's
+    figures, it tells the simulator's error (against this) from the serving path's overhead
+    (the server's figures against this), which on two cores includes the benchmark client."""
+    from kvlab.engine.engine import EngineConfig, LLMEngine
+    from kvlab.engine.llm import load_for_engine
+    from kvlab.engine.sampling import SamplingParams
+
+    net, tokenizer = load_for_engine(model)
+    eng = LLMEngine(net, tokenizer, EngineConfig(
+        kv_cache_memory=engine["kv_cache_memory"], block_size=engine["block_size"],
+        max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"]))
+    eng.add_request("Once upon a time " * 40, SamplingParams(max_tokens=16))  # warm, as the server was
+    while eng.has_unfinished():
+        eng.step()
+    rng = np.random.default_rng(0)
+    order = list(range(len(reqs.arrival)))
+    times: dict[str, list[float]] = {}
+    start = time.monotonic()
+    while order or eng.has_unfinished():
+        now = time.monotonic() - start
+        while order and reqs.arrival[order[0]] <= now:
+            i = order.pop(0)
+            ids = [int(t) for t in rng.integers(1000, 20000, int(reqs.prompt_len[i]))]
+            seq = eng.add_request(ids, SamplingParams(max_tokens=int(reqs.output_len[i]), ignore_eos=True))
+            times[seq.request_id] = [start + float(reqs.arrival[i])]
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, start + float(reqs.arrival[order[0]]) - time.monotonic()))
+            continue
+        for delta in eng.step():
+            if delta.token_ids:
+                times[delta.request_id].append(time.monotonic())
+    elapsed = max(v[-1] for v in times.values()) - start
+    ttft = [v[1] - v[0] for v in times.values()]
+    tpot = [(v[-1] - v[1]) / (len(v) - 2) for v in times.values() if len(v) > 2]
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3  # noqa: E731
+    return {"request_throughput": len(times) / elapsed,
+            **{f"p{q}_ttft_ms": pct(ttft, q) for q in (50, 95)}, **{f"p{q}_tpot_ms": pct(tpot, q) for q in (50, 95)}}
 
 
 def main() -> int:
@@ -123,8 +173,11 @@ def main() -> int:
         port = free_port()
         proc = serve(args.model, calibration["engine"], port)
         try:
+            warm_up(args.model, port)
+            load_before = os.getloadavg()[0]
             with tempfile.TemporaryDirectory() as tmp:
                 measured = bench(args.model, port, rate, n, args.seed, os.path.join(tmp, "bench.json"))
+            load_after = os.getloadavg()[0]
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -133,7 +186,9 @@ def main() -> int:
                 proc.kill()
         reqs = lengths(n, args.seed, arrival_times(n, rate, 1.0, args.seed), measured.get("input_lens"))
         predicted = summarise(simulate(replica, reqs, 1, simulator="engine"), 1)
+        in_process = engine_only(args.model, calibration["engine"], reqs) if name in ("low", "medium") else None
         row = {"workload": name, "load": load, "rate": rate, "num_prompts": n,
+               "load_average_1min": [round(load_before, 2), round(load_after, 2)],
                "measured": {"request_throughput": measured["request_throughput"],
                             "output_throughput": measured["output_throughput"],
                             "completed": measured["completed"], "failed": measured["failed"],
@@ -144,6 +199,9 @@ def main() -> int:
                              "completed": predicted["completed"], "preemptions": predicted["preemptions"],
                              **{f"{p}_{m}_ms": predicted[f"{m}_ms"][p] for m in ("ttft", "tpot", "e2el")
                                 for p in ("p50", "p95")}}}
+        if in_process is not None:
+            row["engine_only"] = in_process
+            row["errors_vs_engine_only"] = {k: row["predicted"][k] / in_process[k] - 1 for k in in_process}
         row["errors"] = {k: row["predicted"][k] / row["measured"][k] - 1 for k in
                          ("request_throughput", "p50_ttft_ms", "p95_ttft_ms", "p50_tpot_ms", "p95_tpot_ms")
                          if row["measured"][k]}
