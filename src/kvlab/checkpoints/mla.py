@@ -86,7 +86,7 @@ def convert_to_mla(model: Decoder, rank: int, rope_dim: int) -> MLAConversion:
     kept, dropped = rope_channels(d, rope_dim, config.rope_style)
     nope = d - rope_dim
     new_config = replace(
-        config, attention="mla", n_kv_heads=None, kv_lora_rank=rank, qk_rope_head_dim=rope_dim,
+        config, attention="mla", n_kv_heads=None, head_dim=None, ffn_dim=config.ffn_size, kv_lora_rank=rank, qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=nope, v_head_dim=d, rope_key_heads=groups, latent_norm=False,
         rope_style="interleaved", rope_base=config.rope_base ** (rope_dim / d),
         name=f"{config.name} [mla rank {rank}, rope {rope_dim} x {groups}]")
@@ -97,7 +97,8 @@ def convert_to_mla(model: Decoder, rank: int, rope_dim: int) -> MLAConversion:
         wq, wk, wv = weight.split((heads * d, groups * d, groups * d))
         hidden = config.dim
         wq, wk, wv = wq.view(heads, d, hidden), wk.view(groups, d, hidden), wv.view(groups, d, hidden)
-        joint = torch.cat((wk[:, dropped].reshape(groups * nope, hidden), wv.reshape(groups * d, hidden)))
+        # per KV head g: its position-free key rows, then its value rows
+        joint = torch.cat((wk[:, dropped], wv), dim=1).reshape(groups * (nope + d), hidden)
         u, s, vh = torch.linalg.svd(joint, full_matrices=False)
         energies.append(float((s[:rank] ** 2).sum() / (s ** 2).sum()))
         up = (u[:, :rank] * s[:rank]).view(groups, nope + d, rank)  # per KV head: [k_nope rows; v rows]

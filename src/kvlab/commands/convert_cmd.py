@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     before, after = source.model.config, model.config
     report = {
         "source": source.path, "out": args.out, "files": files, "method": args.method if args.kv_heads else None,
-        "heads": after.n_heads, "kv_heads_before": before.kv_heads, "kv_heads_after": after.kv_heads,
+        "heads": after.n_heads, "kv_heads_before": before.kv_heads,
+        "kv_heads_after": after.kv_heads if after.attention == "gqa" else None,
         "kv_bytes_per_token_fp16_before": kv_bytes_per_token(before.to_plan_spec(), fp16),
         "kv_bytes_per_token_fp16_after": kv_bytes_per_token(after.to_plan_spec(), fp16),
         "params": after.param_count(),
