@@ -110,3 +110,10 @@ def test_transformers_cannot_load_the_extensions_exactly(stories_path, tmp_path,
     ours = logits(load(tmp_path / "g1"))
     torch.testing.assert_close(ours, logits(load(tmp_path / "mqa")), rtol=0, atol=5e-5)  # exact in kvlab
     assert (theirs - ours).abs().max() > 0.1  # transformers computes another function
+
+
+def test_export_refuses_to_promise_vllm_serves_kvlabs_mla(stories_path, tmp_path, capsys):
+    convert(stories_path, tmp_path / "mla", capsys, "--kv-lora-rank", "16")
+    assert main(["export", str(tmp_path / "mla"), "--vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kvlab_rope_key_heads 4" in err[0] and "cannot serve" in err[0]
