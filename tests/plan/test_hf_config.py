@@ -171,6 +171,20 @@ def test_deepseek_v2_mla_caches_576_elements_per_token_per_layer():
     assert round(1 - 576 / (2 * 128 * 128), 3) == 0.982
 
 
+def test_kvlab_mla_extensions_count_one_rope_key_per_head_and_no_latent_norm():
+    """kvlab_rope_key_heads G makes a row rank + G x rope; kvlab_latent_norm false drops rank norm
+    weights per layer; a dense prefix over every layer is a dense model (no expert fields read)."""
+    dense = dict(DEEPSEEK_V2, first_k_dense_replace=60, n_routed_experts=None, num_experts_per_tok=None)
+    base = spec(dense)
+    assert base.params_active is None and kv_bytes_per_token(base, FP16) == 60 * 576 * 2  # dense: no "active"
+    converted = spec(dict(dense, kvlab_rope_key_heads=4, kvlab_latent_norm=False))
+    assert converted.layers[0].latent_row == 512 + 4 * 64
+    assert kv_bytes_per_token(converted, FP16) == 60 * (512 + 4 * 64) * 2
+    assert converted.params_total - base.params_total == 60 * (3 * 64 * 5120 - 512)
+    with pytest.raises(PlanError, match="kvlab_rope_key_heads"):
+        spec(dict(dense, kvlab_rope_key_heads=0))
+
+
 def test_deepseek_v3_notes_uncounted_mtp_layer_and_lite_without_q_lora():
     assert any("multi-token" in note for note in spec(DEEPSEEK_V3).notes)
     lite = dict(DEEPSEEK_V2, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, hidden_size=2048,

@@ -1,8 +1,9 @@
 """The MLA cache (DeepSeek-V2): one latent row per token instead of per-head keys and values.
 
 Multi-head latent attention caches the compressed c_KV [B, T, kv_lora_rank] and the
-decoupled RoPE key [B, T, rope_dim] shared by all heads; heads are re-derived by the
-up-projections (or absorbed into the query). Both live in one row of rank + rope_dim
+decoupled RoPE key [B, T, rope_dim] shared by all heads (or, for kvlab's exact conversion of
+a GQA model, one key per source KV head side by side: `rope_dim` is then their total width);
+heads are re-derived by the up-projections (or absorbed into the query). Both live in one row of rank + rope_dim
 elements per token, as the plan counts an "mla" layer. Float formats only (fp8 with a static
 scale included): group-quantising a latent would mix two different kinds of channel.
 """

@@ -2,8 +2,10 @@
 
 Llama-family configs are written exactly as transformers' LlamaForCausalLM expects (Q/K in
 rotate-half order, unfused projections), so a converted checkpoint opens in either library.
-Configs outside that family (GELU/LayerNorm character models, MLA) keep kvlab's own names
-and store the whole ModelConfig under "kvlab_config".
+Dense MLA models with Llama's MLP and norms are written in DeepSeek-V2's format
+(kvlab.checkpoints.hf_deepseek, which says where transformers differs). Other configs
+(GELU/LayerNorm character models) keep kvlab's own names and store the whole ModelConfig
+under "kvlab_config".
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from kvlab.checkpoints.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
+                                           from_deepseek_state, is_deepseek_family, to_deepseek_state)
 from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
@@ -47,9 +51,12 @@ def config_from_json(data: dict) -> ModelConfig:
     if "kvlab_config" in data:
         known = {f.name for f in fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in data["kvlab_config"].items() if k in known})
-    if data.get("model_type") not in ("llama", "mistral"):
-        raise PlanError(f"kvlab loads Llama-family HF checkpoints; this one is {data.get('model_type')!r}")
+    if data.get("model_type") not in ("llama", "mistral", DEEPSEEK):
+        raise PlanError(f"kvlab loads Llama-family and dense DeepSeek-V2 HF checkpoints; this one is "
+                        f"{data.get('model_type')!r}")
     shape, _ = hf_shape(data)
+    if data["model_type"] == DEEPSEEK:
+        return deepseek_model_config(data, shape)
     if shape.qkv_bias or shape.o_bias or shape.mlp_bias:
         raise PlanError("kvlab loads Llama-family HF checkpoints without attention or MLP biases")
     if any(shape.windows):
@@ -95,6 +102,9 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
             raise PlanError(f"model.safetensors lacks {name}")
         return state[name]
 
+    if config.attention == "mla":
+        return from_deepseek_state(config, get)
+
     ours = {"embed.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
     if not config.tie_embeddings:
         ours["lm_head.weight"] = get("lm_head.weight")
@@ -116,6 +126,9 @@ def save_hf(model: Decoder, directory: str, tokenizer: Optional[Tokenizer] = Non
     os.makedirs(directory, exist_ok=True)
     if is_llama_family(model.config):
         config, state = llama_config_json(model.config, model.dtype), to_hf_state(model)
+    elif is_deepseek_family(model.config):
+        config = deepseek_config_json(model.config, _DTYPE_NAMES.get(model.dtype, "float32"))
+        state = to_deepseek_state(model.state_dict(), model.config)
     else:
         config = {"architectures": ["KvlabDecoder"], "kvlab_config": model.config.to_dict(),
                   "torch_dtype": _DTYPE_NAMES.get(model.dtype, "float32")}

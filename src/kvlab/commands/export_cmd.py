@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.out, "config.json")):
         raise PlanError(f"{args.out} is not a model directory (no config.json); write one with kvlab convert")
     spec = load_model(args.out)
+    _refuse_kvlab_mla(args.out, spec)
     max_len = args.max_model_len or spec.max_context or 2048
     name = args.served_model_name or os.path.basename(os.path.abspath(args.out))
     cpu = args.gpu is None
@@ -89,3 +90,18 @@ def run(args: argparse.Namespace) -> int:
     for log_line in vllm["log_lines"]:
         print(f"  {log_line}")
     return 0
+
+
+def _refuse_kvlab_mla(out: str, spec) -> None:
+    """`kvlab convert --to mla` output uses two extensions of kvlab's own; no vLLM model implements them."""
+    if not spec.has_mla:
+        return
+    import json
+
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    if config.get("kvlab_rope_key_heads", 1) != 1 or config.get("kvlab_latent_norm", True) is not True:
+        raise PlanError(f"{out} uses kvlab's MLA extensions (kvlab_rope_key_heads "
+                        f"{config.get('kvlab_rope_key_heads', 1)}, kvlab_latent_norm "
+                        f"{config.get('kvlab_latent_norm', True)}); vLLM implements DeepSeek-V2's MLA without them, "
+                        "so it cannot serve this model as kvlab computes it")

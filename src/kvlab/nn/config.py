@@ -26,7 +26,11 @@ class ModelConfig:
     `attention="gqa"` covers MHA (n_kv_heads == n_heads), GQA and MQA (n_kv_heads == 1).
     `attention="mla"` is DeepSeek-V2 multi-head latent attention: each query head has
     `qk_nope_head_dim + qk_rope_head_dim` channels, the cache holds `kv_lora_rank` latent
-    channels plus one shared `qk_rope_head_dim` RoPE key per token.
+    channels plus `rope_key_heads` decoupled RoPE keys of `qk_rope_head_dim` per token.
+    DeepSeek-V2 has one RoPE key shared by every head and RMS-normalises the latent; kvlab's
+    exact conversion of a GQA model (kvlab.checkpoints.mla) keeps one RoPE key per source KV
+    head (query head h reads key h // (n_heads / rope_key_heads)) and `latent_norm=False`.
+    `qk_nope_head_dim` may be 0 there: every key channel keeps its RoPE.
     """
 
     vocab_size: int
@@ -49,6 +53,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_key_heads: int = 1
+    latent_norm: bool = True
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -59,9 +65,12 @@ class ModelConfig:
             raise PlanError(f"unknown mlp/norm/attention {self.mlp!r}/{self.norm!r}/{self.attention!r}")
         if self.n_heads % self.kv_heads:
             raise PlanError(f"{self.kv_heads} KV heads must divide the {self.n_heads} query heads")
-        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_rope_head_dim,
-                                           self.qk_nope_head_dim, self.v_head_dim) <= 0:
-            raise PlanError("MLA needs positive kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and v_head_dim")
+        if self.attention == "mla" and (min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) <= 0
+                                        or self.qk_nope_head_dim < 0):
+            raise PlanError("MLA needs positive kv_lora_rank, qk_rope_head_dim and v_head_dim, "
+                            "and a non-negative qk_nope_head_dim")
+        if self.attention == "mla" and (self.rope_key_heads <= 0 or self.n_heads % self.rope_key_heads):
+            raise PlanError(f"{self.rope_key_heads} RoPE key heads must divide the {self.n_heads} query heads")
 
     @property
     def kv_heads(self) -> int:
@@ -95,7 +104,8 @@ class ModelConfig:
         model built here and a config.json describing it are counted by the same function."""
         latent = None
         if self.attention == "mla":
-            latent = Latent(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+            latent = Latent(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+                            rope_key_heads=self.rope_key_heads, norm=self.latent_norm)
         bias = self.bias and self.attention == "gqa"  # kvlab's MLA projections have no biases
         return Shape(
             layers=self.n_layers, hidden=self.dim, q_heads=self.n_heads,
@@ -115,7 +125,7 @@ class ModelConfig:
         if self.attention == "mla":
             layer = LayerAttention(MLA, self.n_heads, self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
                                    self.v_head_dim, kv_lora_rank=self.kv_lora_rank,
-                                   qk_rope_head_dim=self.qk_rope_head_dim)
+                                   qk_rope_head_dim=self.qk_rope_head_dim, rope_key_heads=self.rope_key_heads)
         else:
             layer = LayerAttention(FULL, self.n_heads, self.kv_heads, self.head_size, self.head_size)
         return ModelSpec(

@@ -1,14 +1,20 @@
 """Multi-head latent attention (DeepSeek-V2) with decoupled RoPE.
 
-Each token is compressed to a latent c = norm(x W_dkv) of `kv_lora_rank` channels plus one
-RoPE key k_rope shared by all heads; only (c, k_rope) are cached. Per head h the keys and
-values are up-projections of the latent, k_h = [c W_uk_h^T, k_rope], v_h = c W_uv_h^T.
+Each token is compressed to a latent c = norm(x W_dkv) of `kv_lora_rank` channels plus
+decoupled RoPE keys; only (c, k_rope) are cached. Per head h the keys and values are
+up-projections of the latent, k_h = [c W_uk_h^T, k_rope_g(h)], v_h = c W_uv_h^T.
+
+DeepSeek-V2 has one RoPE key shared by all heads (`rope_key_heads=1`). A GQA model converted
+exactly (kvlab.checkpoints.mla) keeps one per source KV head: query head h reads RoPE key
+g(h) = h // (heads / rope_key_heads), the same grouping as GQA, and the latent norm is
+optional (`latent_norm`) because a conversion has nothing to normalise.
 
 Two ways to decode, equal in exact arithmetic:
 - naive: up-project the whole cached latent into per-head K and V, then attend;
 - absorbed: fold W_uk into the query (q_h W_uk_h lives in latent space) and W_uv into the
-  output, so attention runs directly over the cached latent: it is MQA with one shared
-  "head" [c, k_rope] of width rank + rope_dim whose values are c itself.
+  output, so attention runs directly over the cached latent: it is GQA with `rope_key_heads`
+  KV "heads" [c, k_rope_g] of width rank + rope_dim whose values are c itself (MQA for
+  DeepSeek's one shared key).
 The scores keep the scale 1/sqrt(nope + rope) of the un-absorbed heads.
 """
 
@@ -31,11 +37,13 @@ class MLA(nn.Module):
         self.n_heads = config.n_heads
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.rank, self.v_dim = config.kv_lora_rank, config.v_head_dim
+        self.rope_heads = config.rope_key_heads
         self.scale = 1.0 / math.sqrt(self.nope + self.rope_dim)
         self.absorb = absorb
         self.wq = nn.Linear(config.dim, self.n_heads * (self.nope + self.rope_dim), bias=False)
-        self.wkv_a = nn.Linear(config.dim, self.rank + self.rope_dim, bias=False)  # W_dkv and the RoPE key
-        self.kv_norm = RMSNorm(self.rank, config.norm_eps)
+        # W_dkv and the RoPE key(s)
+        self.wkv_a = nn.Linear(config.dim, self.rank + self.rope_heads * self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(self.rank, config.norm_eps) if config.latent_norm else nn.Identity()
         self.wkv_b = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)  # W_uk, W_uv
         self.o = nn.Linear(self.n_heads * self.v_dim, config.dim, bias=False)
 
@@ -45,16 +53,19 @@ class MLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
-        """x [B,T,dim]; `cache` (a kvlab.cache.LatentCache) grows by T latent rows."""
+        """x [B,T,dim]; `cache` (a kvlab.cache.LatentCache) grows by T latent rows of rank + keys * rope."""
         batch, new, _ = x.shape
         q = self.wq(x).view(batch, new, self.n_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
         q_rope = rope(q_rope, start)
-        latent, k_rope = self.wkv_a(x).split((self.rank, self.rope_dim), dim=-1)
+        latent, k_rope = self.wkv_a(x).split((self.rank, self.rope_heads * self.rope_dim), dim=-1)
         latent = self.kv_norm(latent)
-        k_rope = rope(k_rope, start)  # [B,T,rope]: RoPE only needs positions on the second-last axis
+        # [B,G,T,rope]: RoPE only needs positions on the second-last axis; rows go back to [B,T,G*rope]
+        k_rope = rope(k_rope.view(batch, new, self.rope_heads, self.rope_dim).transpose(1, 2), start)
+        k_rope = k_rope.transpose(1, 2).reshape(batch, new, self.rope_heads * self.rope_dim)
         if cache is not None:
             latent, k_rope = cache.update(layer, latent, k_rope)
+        k_rope = k_rope.view(batch, -1, self.rope_heads, self.rope_dim).transpose(1, 2)  # [B,G,S,rope]
         if self.absorb:
             y = self.absorbed(q_nope, q_rope, latent, k_rope)
         else:
@@ -66,7 +77,7 @@ class MLA(nn.Module):
         w_uk, w_uv = self.up_weights()
         k_nope = torch.einsum("btr,hdr->bhtd", latent, w_uk)
         v = torch.einsum("btr,hdr->bhtd", latent, w_uv)
-        k_rope = k_rope[:, None].expand(-1, self.n_heads, -1, -1)
+        k_rope = k_rope.repeat_interleave(self.n_heads // self.rope_heads, dim=1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
         return attend(q, k, v, scale=self.scale)
@@ -76,7 +87,8 @@ class MLA(nn.Module):
         w_uk, w_uv = self.up_weights()
         q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
         q = torch.cat((q_latent, q_rope), dim=-1)
-        k = torch.cat((latent, k_rope), dim=-1)[:, None]  # one shared head
+        groups = k_rope.shape[1]
+        k = torch.cat((latent[:, None].expand(-1, groups, -1, -1), k_rope), dim=-1)  # one head per RoPE key
         # The values are the latent, the keys' first `rank` channels: passing the keys as values and
         # dropping the RoPE channels after keeps q, k and v one width, which SDPA's fused CPU kernel
         # needs (with a narrower v it falls back to a math path that copies K/V per head: 4-5x slower).

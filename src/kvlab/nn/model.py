@@ -136,7 +136,8 @@ class Decoder(nn.Module):
         config = self.config
         if config.attention == "mla":
             return kv.make_latent_cache(kv_cache_dtype, config.n_layers, batch, config.kv_lora_rank,
-                                        config.qk_rope_head_dim, max_tokens, compute_dtype=self.dtype)
+                                        config.rope_key_heads * config.qk_rope_head_dim, max_tokens,
+                                        compute_dtype=self.dtype)
         return kv.make_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
                              config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
                              residual=residual, paged=paged, block_size=block_size, pre_rope=pre_rope,

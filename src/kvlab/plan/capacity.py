@@ -76,7 +76,7 @@ def layer_kv_bytes(layer: LayerAttention, tokens: int, formats: CacheFormats, te
         return state_bytes(layer, formats, tensor_parallel) if tokens > 0 else 0
     held = layer.cached_tokens(tokens)
     if layer.is_mla:
-        return formats.k.bytes("k", 1, layer.kv_lora_rank + layer.qk_rope_head_dim, held)
+        return formats.k.bytes("k", 1, layer.latent_row, held)
     heads = kv_heads_per_rank(layer.kv_heads, tensor_parallel)
     return formats.k.bytes("k", heads, layer.k_head_dim, held) + formats.v.bytes("v", heads, layer.v_head_dim, held)
 
@@ -86,7 +86,7 @@ def layer_kv_bytes_per_token(layer: LayerAttention, formats: CacheFormats, tenso
     if layer.kv_shared or layer.is_state:
         return 0
     if layer.is_mla:
-        return formats.k.bytes_per_token("k", 1, layer.kv_lora_rank + layer.qk_rope_head_dim)
+        return formats.k.bytes_per_token("k", 1, layer.latent_row)
     heads = kv_heads_per_rank(layer.kv_heads, tensor_parallel)
     return (formats.k.bytes_per_token("k", heads, layer.k_head_dim)
             + formats.v.bytes_per_token("v", heads, layer.v_head_dim))

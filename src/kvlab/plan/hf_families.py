@@ -165,13 +165,22 @@ def _gpt_bigcode(f: Fields) -> Shape:
 
 
 def _deepseek(f: Fields) -> Shape:
-    """DeepSeek-V2/V3: MLA attention, the first `first_k_dense_replace` layers dense, the rest MoE."""
-    latent = Latent(f.size("kv_lora_rank"), f.size("qk_nope_head_dim"), f.size("qk_rope_head_dim"),
-                    f.size("v_head_dim"), q_lora_rank=f.optional_size("q_lora_rank") or 0)
-    layers, expert = f.size("num_hidden_layers"), f.size("moe_intermediate_size")
-    moe = MoE(f.size("n_routed_experts"), f.size("num_experts_per_tok"), expert,
-              shared_intermediate=expert * f.count("n_shared_experts"),
-              dense_layers=frozenset(range(min(layers, _dense_prefix(f)))))
+    """DeepSeek-V2/V3: MLA attention, the first `first_k_dense_replace` layers dense, the rest MoE.
+
+    A config whose dense prefix covers every layer (what `kvlab convert --to mla` writes) is a
+    dense model: its expert fields are not read. `kvlab_rope_key_heads` and `kvlab_latent_norm`
+    are kvlab's extensions (see `Latent`); DeepSeek's own configs never state them.
+    """
+    latent = Latent(f.size("kv_lora_rank"), f.count("qk_nope_head_dim"), f.size("qk_rope_head_dim"),
+                    f.size("v_head_dim"), q_lora_rank=f.optional_size("q_lora_rank") or 0,
+                    rope_key_heads=f.size("kvlab_rope_key_heads"), norm=f.flag("kvlab_latent_norm"))
+    layers = f.size("num_hidden_layers")
+    moe = None
+    if _dense_prefix(f) < layers:
+        expert = f.size("moe_intermediate_size")
+        moe = MoE(f.size("n_routed_experts"), f.size("num_experts_per_tok"), expert,
+                  shared_intermediate=expert * f.count("n_shared_experts"),
+                  dense_layers=frozenset(range(_dense_prefix(f))))
     mtp = f.config.get("num_nextn_predict_layers")
     notes = (f"{mtp} multi-token-prediction layer(s) not counted (transformers does not load them)",) if mtp else ()
     bias = f.flag("attention_bias")
@@ -215,7 +224,7 @@ _GPT2 = dict(vocab_size=50257, n_positions=1024, n_head=12, n_inner=None, tie_wo
 _DEEPSEEK_V2 = _LLAMA_LIKE | dict(vocab_size=102400, first_k_dense_replace=0, kv_lora_rank=512, q_lora_rank=1536,
                                   n_routed_experts=64, n_shared_experts=2, qk_nope_head_dim=128,
                                   qk_rope_head_dim=64, v_head_dim=128, num_experts_per_tok=None,
-                                  moe_intermediate_size=1407)
+                                  moe_intermediate_size=1407, kvlab_rope_key_heads=1, kvlab_latent_norm=True)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_LLAMA_LIKE, _llama),

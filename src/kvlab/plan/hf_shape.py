@@ -30,13 +30,20 @@ class MoE:
 
 @dataclass(frozen=True)
 class Latent:
-    """DeepSeek's multi-head latent attention (MLA) projections."""
+    """DeepSeek's multi-head latent attention (MLA) projections.
+
+    `rope_key_heads` and `norm` are kvlab's extensions for exact conversions
+    (kvlab.checkpoints.mla): one decoupled RoPE key per source KV head instead of one shared,
+    and no RMSNorm on the latent. DeepSeek-V2 itself is (1, True).
+    """
 
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int = 0  # 0: queries come straight from the hidden state
+    rope_key_heads: int = 1
+    norm: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class Shape:
             mla = self.latent
             layer = LayerAttention(MLA, self.q_heads, self.kv_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim,
                                    mla.v_head_dim, kv_lora_rank=mla.kv_lora_rank,
-                                   qk_rope_head_dim=mla.qk_rope_head_dim)
+                                   qk_rope_head_dim=mla.qk_rope_head_dim, rope_key_heads=mla.rope_key_heads)
             return (layer,) * self.layers
         windows = self.windows or (None,) * self.layers
         return tuple(
@@ -143,8 +150,8 @@ def _latent_attention(s: Shape, mla: Latent) -> int:
         query = s.hidden * mla.q_lora_rank + bias * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * q_width
     else:
         query = s.hidden * q_width
-    compressed = mla.kv_lora_rank + mla.qk_rope_head_dim
-    kv_down = s.hidden * compressed + bias * compressed + mla.kv_lora_rank  # plus the latent's RMSNorm
+    compressed = mla.kv_lora_rank + mla.rope_key_heads * mla.qk_rope_head_dim
+    kv_down = s.hidden * compressed + bias * compressed + (mla.kv_lora_rank if mla.norm else 0)  # the latent's RMSNorm
     kv_up = mla.kv_lora_rank * s.q_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
     out = s.q_heads * mla.v_head_dim * s.hidden + (s.hidden if s.o_bias else 0)
     return query + kv_down + kv_up + out

@@ -116,6 +116,8 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
     if spec.has_mla:
         described["kv_lora_rank"] = first.kv_lora_rank
         described["qk_rope_head_dim"] = first.qk_rope_head_dim
+        if first.rope_key_heads != 1:
+            described["rope_key_heads"] = first.rope_key_heads
     return described
 
 

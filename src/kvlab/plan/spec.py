@@ -26,9 +26,11 @@ WINDOWED_KINDS = (SLIDING, CHUNKED)
 class LayerAttention:
     """One layer's attention, as far as the KV cache is concerned.
 
-    For `mla` layers the cache holds one latent row of `kv_lora_rank + qk_rope_head_dim`
-    elements per token (no separate V); `k_head_dim`/`v_head_dim` then describe the
-    up-projected heads, used only for attention FLOPs.
+    For `mla` layers the cache holds one latent row of `latent_row` = `kv_lora_rank +
+    rope_key_heads * qk_rope_head_dim` elements per token (no separate V); `k_head_dim`/
+    `v_head_dim` then describe the up-projected heads, used only for attention FLOPs.
+    DeepSeek-V2 has one decoupled RoPE key shared by every query head (`rope_key_heads=1`);
+    kvlab's exact MLA conversion of a GQA model keeps one per source KV head (kvlab.checkpoints.mla).
 
     A `chunked` layer holds at most `window` tokens (the chunk its newest query attends in).
     A `state` layer holds `state_elements` values per sequence whatever the context (a
@@ -45,6 +47,7 @@ class LayerAttention:
     window: Optional[int] = None
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    rope_key_heads: int = 1
     state_elements: int = 0
     kv_shared: bool = False
 
@@ -59,8 +62,13 @@ class LayerAttention:
             raise PlanError(f"a {self.kind} layer needs a positive window, got {self.window!r}")
         if self.kind == STATE and self.state_elements <= 0:
             raise PlanError("a state layer needs a positive state size")
-        if self.kind == MLA and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0):
-            raise PlanError("an MLA layer needs kv_lora_rank > 0 and qk_rope_head_dim >= 0")
+        if self.kind == MLA and (self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0 or self.rope_key_heads <= 0):
+            raise PlanError("an MLA layer needs kv_lora_rank > 0, qk_rope_head_dim >= 0 and rope_key_heads > 0")
+
+    @property
+    def latent_row(self) -> int:
+        """Elements an MLA layer caches per token: the latent plus its decoupled RoPE key(s)."""
+        return self.kv_lora_rank + self.rope_key_heads * self.qk_rope_head_dim
 
     @property
     def is_mla(self) -> bool:
@@ -159,7 +167,8 @@ class ModelSpec:
             if layer.q_heads % kv_heads:
                 raise PlanError(f"--kv-heads {kv_heads} must divide the {layer.q_heads} query heads")
             kind = FULL if layer.is_mla else layer.kind
-            layers.append(replace(layer, kind=kind, kv_heads=kv_heads, kv_lora_rank=0, qk_rope_head_dim=0))
+            layers.append(replace(layer, kind=kind, kv_heads=kv_heads, kv_lora_rank=0, qk_rope_head_dim=0,
+                                  rope_key_heads=1))
         return replace(self, layers=tuple(layers), name=f"{self.name} [kv_heads={kv_heads}]")
 
     def with_kv_window(self, window: int, sinks: int = 0) -> "ModelSpec":
@@ -178,7 +187,8 @@ class ModelSpec:
             raise PlanError("--mla-rank must be positive and --mla-rope-dim non-negative")
         layers = tuple(
             layer if layer.is_state else
-            replace(layer, kind=MLA, window=None, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+            replace(layer, kind=MLA, window=None, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                    rope_key_heads=1)
             for layer in self.layers
         )
         return replace(self, layers=layers, name=f"{self.name} [mla {kv_lora_rank}+{qk_rope_head_dim}]")

@@ -50,7 +50,9 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         table.add_row(f"state ({model['state_layers']} linear layers)",
                       f"{_size(result['state_bytes_per_sequence'])} per sequence, any context")
     if "kv_lora_rank" in model:
-        table.add_row("MLA latent", f"{model['kv_lora_rank']} + RoPE {model['qk_rope_head_dim']} per token per layer")
+        keys = model.get("rope_key_heads", 1)
+        rope = f"{keys} x RoPE {model['qk_rope_head_dim']}" if keys != 1 else f"RoPE {model['qk_rope_head_dim']}"
+        table.add_row("MLA latent", f"{model['kv_lora_rank']} + {rope} per token per layer")
     if inputs["tensor_parallel_size"] > 1:
         table.add_row("tensor parallel", f"{inputs['tensor_parallel_size']} ranks, figures per rank")
     spec = result.get("speculative")
