@@ -25,7 +25,7 @@ COMMANDS = {
     "measure": ("measure_cmd", "run a real model: planned versus measured cache bytes, prefill/decode speed"),
     "study": ("study_cmd", "reproducible studies (gqa: MHA vs GQA vs MQA vs MLA, with uptraining)"),
     "serve": ("serve_cmd", "OpenAI-compatible server: continuous batching over one paged KV pool"),
-    "convert": ("convert_cmd", "convert a real checkpoint between MHA, GQA, MQA and MLA and write it for transformers/llama.cpp"),
+    "convert": ("convert_cmd", "convert a checkpoint between MHA, GQA, MQA and MLA for transformers/llama.cpp"),
     "uptrain": ("uptrain_cmd", "distil a converted model from its source (KL on teacher logits + LM loss)"),
     "export": ("export_cmd", "the vllm serve command for a converted model, and the capacity vLLM will log"),
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
