@@ -4,7 +4,8 @@ Before each arrival every replica runs the steps that start before it (so the ro
 replica's state at that instant); then the router places the request: `round-robin`, or
 `least-loaded` (fewest requests running plus waiting, lowest index on ties). Afterwards every
 replica drains. `engine` replicas run kvlab.engine's Scheduler and BlockManager; `fast`
-replicas run the same policy with aggregated decoders (kvlab.fleet.replica_fast).
+replicas run the same policy with aggregated decoders (kvlab.fleet.replica_fast), or with a draft
+model each decoder on its own (kvlab.fleet.replica_fast_spec).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvlab.fleet.errors import FleetError
 from kvlab.fleet.outcomes import Outcomes
 from kvlab.fleet.replica_engine import EngineReplica
 from kvlab.fleet.replica_fast import FastReplica
+from kvlab.fleet.replica_fast_spec import SpeculativeFastReplica
 from kvlab.fleet.service import ReplicaSpec
 from kvlab.fleet.workload import Requests
 
@@ -53,7 +55,7 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
     if simulator == "fast" and spec.max_num_seqs > spec.max_num_batched_tokens:
         raise FleetError("the fast simulator needs --max-num-seqs <= --max-num-batched-tokens; use --simulator engine")
     out = Outcomes.empty(len(requests))
-    kind = EngineReplica if simulator == "engine" else FastReplica
+    kind = EngineReplica if simulator == "engine" else SpeculativeFastReplica if spec.speculation else FastReplica
     fleet = [kind(spec, requests, out, r, sample_every) for r in range(replicas)]
     started = time.perf_counter()
     arrivals = requests.arrival.tolist()
