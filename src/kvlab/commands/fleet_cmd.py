@@ -23,6 +23,13 @@ EXAMPLES = """examples:
   kvlab fleet smollm2-135m --calibration cal.json --rate 2 --prompt-len uniform:128:0.5 --output-len 64
   kvlab fleet calibrate smollm2-135m --output cal.json
 lengths: N (fixed), uniform:MEAN:R (vLLM's range ratio), lognormal:MEAN:SIGMA
+speculative decoding (--draft MODEL --acceptance-rate A [--num-speculative-tokens K]), as `kvlab plan --draft`:
+  each KV block holds the target's and the draft's K/V (fewer blocks), the draft's weights share the cards,
+  a decode reserves 1 + K slots (the engine's lookahead); a step costs up to K draft decode rounds plus one
+  target pass over each sequence's 1 + K tokens (priced as a prompt chunk) and emits min(G, K) + 1 tokens per
+  sequence, G geometric with P(G >= j) = A^j, never past the request's output length. The draft is priced by
+  the same roofline and efficiencies on its own weights and KV; with --calibration, by the calibrated step
+  cost times the plan's cost ratio (draft / target weight bytes), the pool being the calibrated bytes re-cut.
 """
 
 

@@ -78,7 +78,7 @@ def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[
         return None, None, args.num_speculative_tokens
     if args.acceptance_rate is None:
         if need_rate:
-            raise PlanError("--draft needs --acceptance-rate A (the share of drafted tokens the target accepts)")
+            raise PlanError("--draft needs --acceptance-rate A (the chance the target accepts each drafted token)")
         check_speculation(0.0, args.num_speculative_tokens)
     else:
         check_speculation(args.acceptance_rate, args.num_speculative_tokens)

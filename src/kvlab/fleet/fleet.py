@@ -20,6 +20,7 @@ from kvlab.fleet.replica_engine import EngineReplica
 from kvlab.fleet.replica_fast import FastReplica
 from kvlab.fleet.replica_fast_spec import SpeculativeFastReplica
 from kvlab.fleet.service import ReplicaSpec
+from kvlab.fleet.speculation import Speculation
 from kvlab.fleet.workload import Requests
 
 ROUTERS = ("round-robin", "least-loaded")
@@ -37,6 +38,7 @@ class FleetRun:
     wall_seconds: float
     peak_blocks_used: list[int]
     aborted: bool = False  # stopped early: the queue outgrew `abort_waiting` (a fleet too small to matter)
+    speculation: Optional[Speculation] = None
 
 
 def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: str = "round-robin",
@@ -75,10 +77,10 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
             if abort_waiting is not None and sum(len(r.waiting) if simulator == "fast" else len(r.scheduler.waiting)
                                                  for r in fleet) > abort_waiting:
                 return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
-                                [r.peak_blocks_used for r in fleet], aborted=True)
+                                [r.peak_blocks_used for r in fleet], aborted=True, speculation=spec.speculation)
     for replica in fleet:
         replica.drain()
     if progress is not None:
         progress(len(arrivals))
     return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
-                    [r.peak_blocks_used for r in fleet])
+                    [r.peak_blocks_used for r in fleet], speculation=spec.speculation)

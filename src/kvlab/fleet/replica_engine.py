@@ -108,7 +108,7 @@ class EngineReplica:
 
     def _speculative_step(self, scheduled) -> float:
         """The engine's speculative step (runner.run and _verify, then commit_full_blocks and trim), priced."""
-        blocks, spec = self.blocks, self.spec
+        blocks, spec, out = self.blocks, self.spec, self.out
         speculation = spec.speculation
         shape = SpecStep()
         drafts = []
@@ -130,6 +130,9 @@ class EngineReplica:
         for seq, n, d in zip(scheduled.seqs, scheduled.num_tokens, drafts):
             if d:
                 accepted = min(d, speculation.accepted_run(seq.fleet_index, len(seq.output_ids)))
+                out.num_drafts += 1
+                out.num_draft_tokens += d
+                out.num_accepted_tokens += accepted
                 seq.num_computed += 1 + accepted  # the last token and the accepted drafts hold valid K/V
                 emitted = accepted + 1
             else:

@@ -68,9 +68,13 @@ class SpeculativeFastReplica(FastReplica):
         if used > self.peak_blocks_used:
             self.peak_blocks_used = used
         end = self.now + shape.seconds(spec.cost, speculation.draft_cost)
+        out = self.out
         for (s, n), d in zip(chunks, drafts):
             if d:
                 accepted = min(d, speculation.accepted_run(s.i, s.outputs))
+                out.num_drafts += 1
+                out.num_draft_tokens += d
+                out.num_accepted_tokens += accepted
                 s.computed += 1 + accepted
                 s.outputs += accepted + 1
             else:
@@ -88,9 +92,9 @@ class SpeculativeFastReplica(FastReplica):
                 running.remove(s)
                 self._release(s)
                 self._record(s, end)
-        self.out.steps += 1
+        out.steps += 1
         if self.sample_every is not None and self.now >= self.next_sample:
-            self.out.timeline.append((self.now, self.replica_id, used / spec.num_blocks, len(running),
+            out.timeline.append((self.now, self.replica_id, used / spec.num_blocks, len(running),
                                       len(self.waiting), self.num_preemptions))
             self.next_sample = self.now + self.sample_every
         self.now = end
