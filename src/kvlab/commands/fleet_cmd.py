@@ -11,7 +11,7 @@ import json
 import os
 
 from kvlab.commands.args import byte_size, comma_list, non_negative_int, positive_float, positive_int
-from kvlab.commands.plan_args import add_model_arguments
+from kvlab.commands.plan_args import add_model_arguments, add_speculative_arguments
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.weights import WEIGHT_DTYPES
 
@@ -23,6 +23,13 @@ EXAMPLES = """examples:
   kvlab fleet smollm2-135m --calibration cal.json --rate 2 --prompt-len uniform:128:0.5 --output-len 64
   kvlab fleet calibrate smollm2-135m --output cal.json
 lengths: N (fixed), uniform:MEAN:R (vLLM's range ratio), lognormal:MEAN:SIGMA
+speculative decoding (--draft MODEL --acceptance-rate A [--num-speculative-tokens K]), as `kvlab plan --draft`:
+  each KV block holds the target's and the draft's K/V (fewer blocks), the draft's weights share the cards,
+  a decode reserves 1 + K slots (the engine's lookahead); a step costs up to K draft decode rounds plus one
+  target pass over each sequence's 1 + K tokens (priced as a prompt chunk) and emits min(G, K) + 1 tokens per
+  sequence, G geometric with P(G >= j) = A^j, never past the request's output length. The draft is priced by
+  the same roofline and efficiencies on its own weights and KV; with --calibration, by the calibrated step
+  cost times the plan's cost ratio (draft / target weight bytes), the pool being the calibrated bytes re-cut.
 """
 
 
@@ -60,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     load.add_argument("--num-prefixes", type=positive_int, default=1, help="distinct shared prefixes (default 1)")
     load.add_argument("--trace", help="JSONL of {arrival, prompt_len, output_len[, prefix_id, prefix_len]} instead")
     load.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths (default 0)")
+    add_speculative_arguments(parser, "with --draft (required): the chance the target accepts each drafted "
+                                      "token; a step emits min(G, k) + 1 tokens, G geometric, drawn per request "
+                                      "and output position from --seed (Leviathan et al.)")
     card = parser.add_argument_group("cards and precision (kvlab plan's what-ifs)")
     card.add_argument("--gpu", help="catalog card: h100-sxm, h200, a100-80gb, l4, l40s, rtx-4090, jetson-agx-orin-64gb")
     card.add_argument("--memory-gib", type=positive_float, help="custom card: memory in GiB")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvlab.commands.plan_args import device_from_args, model_from_args
+from kvlab.commands.plan_args import device_from_args, draft_from_args, model_from_args
 from kvlab.fleet.errors import FleetError
 from kvlab.fleet.scenario import Scenario
-from kvlab.fleet.service import ReplicaSpec, load_calibration, replica_from_plan
+from kvlab.fleet.service import ReplicaSpec, calibrated_speculation, load_calibration, replica_from_plan
 from kvlab.fleet.workload import LengthDist, Workload, draw
 from kvlab.plan.errors import PlanError
 from kvlab.plan.planner import PlanRequest
@@ -16,6 +16,7 @@ from kvlab.plan.planner import PlanRequest
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     spec = model_from_args(args)
+    draft, acceptance_rate, k = draft_from_args(args, need_rate=True)
     prompt, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     num = args.num_requests or max(1, math.ceil(args.duration * args.rate))
     workload = Workload(args.rate, num, prompt, output, args.burstiness, args.prefix_fraction, args.prefix_len,
@@ -34,6 +35,10 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                               args.max_num_batched_tokens or int(engine["max_num_batched_tokens"]),
                               args.max_model_len or int(engine["max_model_len"]), cost, args.prefix_caching,
                               notes=[f"calibrated on this machine: {args.calibration}"])
+        if draft is not None:
+            blocks, speculation = calibrated_speculation(spec, draft, acceptance_rate, k, engine, cost,
+                                                         replica.max_model_len, args.seed)
+            replica.num_blocks, replica.speculation = blocks, speculation
         if card is not None:
             raise FleetError("give --calibration or --gpu, not both (a calibration is of the machine it ran on)")
     else:
@@ -42,7 +47,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         request = PlanRequest(context=max_model_len, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype,
                               weight_dtype=args.weight_dtype, kv_cache_memory=args.kv_cache_memory, device=card,
                               gpu_memory_utilization=args.gpu_memory_utilization,
-                              max_num_batched_tokens=args.max_num_batched_tokens)
+                              max_num_batched_tokens=args.max_num_batched_tokens, draft=draft,
+                              acceptance_rate=acceptance_rate, num_speculative_tokens=k)
         overhead = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
         def build(tp):
             return replica_from_plan(spec, request, max_model_len=max_model_len, block_size=args.block_size,
@@ -50,7 +56,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                                      max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel=tp,
                                      bandwidth_efficiency=args.bandwidth_efficiency,
                                      compute_efficiency=args.compute_efficiency, step_overhead_s=overhead,
-                                     enable_prefix_caching=args.prefix_caching)
+                                     enable_prefix_caching=args.prefix_caching, seed=args.seed)
         replica = build(args.tensor_parallel_size)
         if args.find_min_cards and args.tensor_parallel_size is None and card is not None:
             tp_options = [replica]

@@ -14,6 +14,7 @@ from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.loaders import explicit_model, load_model
 from kvlab.plan.planner import PlanRequest
 from kvlab.plan.spec import ModelSpec
+from kvlab.plan.speculative import check_speculation
 from kvlab.plan.weights import WEIGHT_DTYPES
 
 
@@ -60,12 +61,32 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
-def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+def add_speculative_arguments(parser: argparse.ArgumentParser, acceptance_help: str) -> None:
+    """--draft, --acceptance-rate, --num-speculative-tokens: `kvlab plan`'s, which `kvlab fleet` shares."""
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--draft", metavar="MODEL", help="a draft model (preset, config.json or .gguf): its weights "
                                                        "and KV join the budget, and seats fall accordingly")
-    spec.add_argument("--acceptance-rate", type=float, help="expected acceptance rate a, for the paper's speed-up")
+    spec.add_argument("--acceptance-rate", type=float, help=acceptance_help)
     spec.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="drafted tokens k (3)")
+
+
+def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[ModelSpec | None, float | None, int]:
+    """(draft spec, acceptance rate, k) from the speculative flags, checked as kvlab.plan.speculative checks them."""
+    if args.draft is None:
+        if args.acceptance_rate is not None:
+            raise PlanError("--acceptance-rate needs --draft MODEL")
+        return None, None, args.num_speculative_tokens
+    if args.acceptance_rate is None:
+        if need_rate:
+            raise PlanError("--draft needs --acceptance-rate A (the chance the target accepts each drafted token)")
+        check_speculation(0.0, args.num_speculative_tokens)
+    else:
+        check_speculation(args.acceptance_rate, args.num_speculative_tokens)
+    return load_model(args.draft), args.acceptance_rate, args.num_speculative_tokens
+
+
+def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    add_speculative_arguments(parser, "expected acceptance rate a, for the paper's speed-up")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence (4096)")
     workload.add_argument("--batch", type=positive_int, default=1, help="concurrent sequences (1)")

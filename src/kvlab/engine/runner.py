@@ -35,7 +35,7 @@ from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
-from kvlab.engine.scheduler import ScheduledStep
+from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 
@@ -126,11 +126,9 @@ class ModelRunner:
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts this sequence may take: k, within its reserved slots, max_tokens and the model length."""
-        k = self.spec.num_speculative_tokens
-        left = (seq.params.max_tokens or k + 1) - len(seq.output_ids) - 1
-        room = self.max_model_len - seq.num_tokens - 1
-        slots = len(seq.block_table) * self.pool.block_size - seq.num_tokens
-        return max(0, min(k, left, room, slots))
+        return draft_budget(self.spec.num_speculative_tokens, seq.params.max_tokens, len(seq.output_ids),
+                            self.max_model_len, seq.num_tokens, len(seq.block_table) * self.pool.block_size
+                            - seq.num_tokens)
 
     def _propose(self, seqs: list[Sequence], decoding: list[bool]) -> tuple[list[list[int]], list]:
         spec = self.spec

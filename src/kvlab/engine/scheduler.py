@@ -36,6 +36,14 @@ class SchedulerConfig:
     lookahead: int = 0  # slots reserved past each decode for speculative drafts (k)
 
 
+def draft_budget(k: int, max_tokens: int | None, outputs: int, max_model_len: int, num_tokens: int,
+                 slots: int) -> int:
+    """Drafts a decoding sequence may take: k, within max_tokens (the target adds one token of its own),
+    the model length, and the `slots` its block table holds past its tokens (the lookahead reserved)."""
+    left = (max_tokens or k + 1) - outputs - 1
+    return max(0, min(k, left, max_model_len - num_tokens - 1, slots))
+
+
 @dataclass
 class ScheduledStep:
     """The sequences of one step, in order, and the tokens each feeds."""

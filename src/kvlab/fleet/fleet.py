@@ -4,7 +4,8 @@ Before each arrival every replica runs the steps that start before it (so the ro
 replica's state at that instant); then the router places the request: `round-robin`, or
 `least-loaded` (fewest requests running plus waiting, lowest index on ties). Afterwards every
 replica drains. `engine` replicas run kvlab.engine's Scheduler and BlockManager; `fast`
-replicas run the same policy with aggregated decoders (kvlab.fleet.replica_fast).
+replicas run the same policy with aggregated decoders (kvlab.fleet.replica_fast), or with a draft
+model each decoder on its own (kvlab.fleet.replica_fast_spec).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from kvlab.fleet.errors import FleetError
 from kvlab.fleet.outcomes import Outcomes
 from kvlab.fleet.replica_engine import EngineReplica
 from kvlab.fleet.replica_fast import FastReplica
+from kvlab.fleet.replica_fast_spec import SpeculativeFastReplica
 from kvlab.fleet.service import ReplicaSpec
+from kvlab.fleet.speculation import Speculation
 from kvlab.fleet.workload import Requests
 
 ROUTERS = ("round-robin", "least-loaded")
@@ -35,6 +38,7 @@ class FleetRun:
     wall_seconds: float
     peak_blocks_used: list[int]
     aborted: bool = False  # stopped early: the queue outgrew `abort_waiting` (a fleet too small to matter)
+    speculation: Optional[Speculation] = None
 
 
 def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: str = "round-robin",
@@ -53,7 +57,7 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
     if simulator == "fast" and spec.max_num_seqs > spec.max_num_batched_tokens:
         raise FleetError("the fast simulator needs --max-num-seqs <= --max-num-batched-tokens; use --simulator engine")
     out = Outcomes.empty(len(requests))
-    kind = EngineReplica if simulator == "engine" else FastReplica
+    kind = EngineReplica if simulator == "engine" else SpeculativeFastReplica if spec.speculation else FastReplica
     fleet = [kind(spec, requests, out, r, sample_every) for r in range(replicas)]
     started = time.perf_counter()
     arrivals = requests.arrival.tolist()
@@ -73,10 +77,10 @@ def simulate(spec: ReplicaSpec, requests: Requests, replicas: int = 1, router: s
             if abort_waiting is not None and sum(len(r.waiting) if simulator == "fast" else len(r.scheduler.waiting)
                                                  for r in fleet) > abort_waiting:
                 return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
-                                [r.peak_blocks_used for r in fleet], aborted=True)
+                                [r.peak_blocks_used for r in fleet], aborted=True, speculation=spec.speculation)
     for replica in fleet:
         replica.drain()
     if progress is not None:
         progress(len(arrivals))
     return FleetRun(requests, out, replicas, simulator, router, time.perf_counter() - started,
-                    [r.peak_blocks_used for r in fleet])
+                    [r.peak_blocks_used for r in fleet], speculation=spec.speculation)

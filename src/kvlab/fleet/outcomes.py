@@ -20,6 +20,10 @@ class Outcomes:
     timeline: list[tuple[float, int, float, int, int, int]] = field(default_factory=list)
     # (time, replica, KV usage, running, waiting, preemptions so far)
     steps: int = 0
+    # speculative decoding, vLLM's counters (kvlab.engine.speculative.SpecStats): verifications, drafted, accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def empty(cls, n: int) -> "Outcomes":

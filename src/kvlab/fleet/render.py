@@ -25,6 +25,12 @@ def render(result: dict, console: Console | None = None) -> None:
                                  f"tokens, {rep['max_num_seqs']} seats, {rep['max_num_batched_tokens']} tokens/step")
     table.add_row("requests", f"{r['completed']:,} of {r['requests']:,} completed, {r['rejected']} rejected, "
                               f"{r['preemptions']:,} preemptions")
+    if r.get("speculative"):
+        s = r["speculative"]
+        measured = "-" if s["mean_tokens_per_step"] is None else f"{s['mean_tokens_per_step']:.2f}"
+        table.add_row("speculative", f"draft {s['draft']}, k={s['num_speculative_tokens']}, acceptance "
+                                     f"{s['acceptance_rate']:g}: {s['expected_tokens_per_step']:.2f} tokens per "
+                                     f"step expected, {measured} drawn")
     table.add_row("TTFT p50/p95/p99 ms", _ms(r["ttft_ms"]))
     table.add_row("TPOT p50/p95/p99 ms", _ms(r["tpot_ms"]))
     table.add_row("E2EL p50/p95/p99 ms", _ms(r["e2el_ms"]))

@@ -8,6 +8,11 @@ meets it when the p95 of TTFT and of TPOT are within them (the tail an SLA measu
 Cost: dedicated cards bill every hour of the run whether busy or not, so a million output tokens
 cost cards x price x hours / (output tokens / 1e6); pay-per-token bills only the tokens, so it
 wins below the break-even rate at which the fleet's hourly bill equals the tokens' price.
+With a draft model, TPOT and ITL are per token of multi-token steps (a step emitting 3 tokens
+counts 3), and `speculative` gives the settings and what was drawn: mean tokens per verifying
+step (1 + accepted / verifications, a little below the closed form where answers end early and
+fewer than k drafts fit) and accepted_per_drafted, vLLM's "acceptance rate" metric, which is
+below the per-token rate a because drafts after the first rejection count as drafted.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def summarise(run: FleetRun, cards_per_replica: int, slo: Optional[dict[str, flo
         "prefix_cache_hit_rate": float(o.cached_tokens[done].sum() / max(1, in_tokens)),
         "peak_kv_blocks_used": run.peak_blocks_used,
     }
+    if run.speculation is not None:  # the settings, and what the draws gave (vLLM's SpecStats definitions)
+        spec = run.speculation.describe()
+        spec.pop("draft_cost")
+        spec.update(num_drafts=o.num_drafts, num_draft_tokens=o.num_draft_tokens,
+                    num_accepted_tokens=o.num_accepted_tokens,
+                    accepted_per_drafted=o.num_accepted_tokens / o.num_draft_tokens if o.num_draft_tokens else None,
+                    mean_tokens_per_step=1 + o.num_accepted_tokens / o.num_drafts if o.num_drafts else None)
+        result["speculative"] = spec
     if o.timeline:
         usage = np.array([row[2] for row in o.timeline])
         result["kv_usage"] = {"mean": float(usage.mean()), "p95": float(np.percentile(usage, 95)),

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from kvlab.fleet.errors import FleetError
+from kvlab.fleet.speculation import ScaledCost, Speculation
 from kvlab.fleet.step_cost import LinearCost, RooflineCost
 from kvlab.plan.capacity import kv_bytes_per_token
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.planner import PlanRequest, plan
 from kvlab.plan.spec import ModelSpec
-from kvlab.plan.weights import active_weight_bytes
+from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -41,6 +42,7 @@ class ReplicaSpec:
     weight_bytes_per_rank: int = 0
     kv_budget_bytes: int = 0  # per rank
     notes: list[str] = field(default_factory=list)
+    speculation: Optional[Speculation] = None  # a draft model: its KV shares the blocks, its rounds the steps
 
     @property
     def kv_tokens(self) -> int:
@@ -52,7 +54,8 @@ class ReplicaSpec:
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_model_len": self.max_model_len,
                 "enable_prefix_caching": self.enable_prefix_caching, "kv_bytes_per_token_per_rank":
                 self.kv_bytes_per_token, "weight_bytes_per_rank": self.weight_bytes_per_rank,
-                "kv_budget_bytes_per_rank": self.kv_budget_bytes, "cost": self.cost.describe(), "notes": self.notes}
+                "kv_budget_bytes_per_rank": self.kv_budget_bytes, "cost": self.cost.describe(), "notes": self.notes,
+                "speculative": self.speculation.describe() if self.speculation else None}
 
 
 def attention_flops_per_pair(spec: ModelSpec, tensor_parallel: int) -> float:
@@ -84,8 +87,17 @@ def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: i
                       max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                       tensor_parallel: Optional[int] = None, calibration: Optional[LinearCost] = None,
                       bandwidth_efficiency: Optional[float] = None, compute_efficiency: Optional[float] = None,
-                      step_overhead_s: Optional[float] = None, enable_prefix_caching: bool = True) -> ReplicaSpec:
-    """The replica `kvlab fleet` simulates for `spec` on `request.device` (or `request.kv_cache_memory`)."""
+                      step_overhead_s: Optional[float] = None, enable_prefix_caching: bool = True,
+                      seed: int = 0) -> ReplicaSpec:
+    """The replica `kvlab fleet` simulates for `spec` on `request.device` (or `request.kv_cache_memory`).
+
+    With `request.draft` (and its acceptance rate and k), the plan counts the draft's weights and
+    KV: the pool is the plan's `speculative.pool_blocks` of `block_size` tokens, each holding both
+    caches, and the replica prices the draft's rounds with a roofline of its own (same card and
+    efficiencies) or, under a calibration, the calibrated cost times the plan's cost ratio.
+    """
+    if request.draft is not None:
+        request.block_size = block_size  # the plan's shared pool, cut into the simulator's blocks
     if request.device is None and request.kv_cache_memory is None:
         raise FleetError("give --gpu CARD (or --kv-cache-memory with --calibration)")
     tp = tensor_parallel or (weights_fit_tp(spec, request, max_model_len, block_size) if request.device else 1)
@@ -96,6 +108,8 @@ def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: i
         raise FleetError(f"the weights ({result['weight_bytes_per_rank']:,} B per card) leave no room for KV on "
                          f"{tp} card(s); raise --tensor-parallel-size")
     num_blocks = int(budget // per_token) // block_size
+    if request.draft is not None:
+        num_blocks = int(result["speculative"]["pool_blocks"])
     batched = max_num_batched_tokens or request.batched_tokens()
     notes = list(request.warnings)
     if num_blocks * block_size < max_model_len:
@@ -107,14 +121,48 @@ def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: i
         if card is None:
             raise FleetError("the roofline needs --gpu CARD; or give --calibration FILE")
         tflops = card.fp8_tflops if request.weight_dtype == "fp8" and card.fp8_tflops else card.bf16_tflops
-        read = active_weight_bytes(spec, result["weight_bytes_per_rank"])
         kwargs = {k: v for k, v in (("bandwidth_efficiency", bandwidth_efficiency),
                                     ("compute_efficiency", compute_efficiency),
                                     ("step_overhead_s", step_overhead_s)) if v is not None}
-        cost = RooflineCost(float(read), float(per_token), 2.0 * (spec.active_params or 0) / tp,
-                            attention_flops_per_pair(spec, tp), card.bandwidth_gbs, tflops, **kwargs)
+
+        def roofline(model: ModelSpec) -> RooflineCost:
+            """One model's step on a rank: its own active weights, KV bytes and FLOPs, this card's peaks."""
+            weights = -(-weight_bytes(model, request.weight_dtype, request.weight_group_size) // tp)
+            return RooflineCost(float(active_weight_bytes(model, weights)),
+                                float(kv_bytes_per_token(model, request.formats(), tp)),
+                                2.0 * (model.active_params or 0) / tp, attention_flops_per_pair(model, tp),
+                                card.bandwidth_gbs, tflops, **kwargs)
+
+        cost = roofline(spec)
+    speculation = None
+    if request.draft is not None:
+        info = result["speculative"]
+        draft_cost = ScaledCost(cost, float(info["cost_ratio"])) if calibration is not None \
+            else roofline(request.draft)
+        speculation = Speculation(request.draft.name, float(request.acceptance_rate),
+                                  int(request.num_speculative_tokens), draft_cost, seed)
     return ReplicaSpec(tp, num_blocks, block_size, max_num_seqs, batched, max_model_len, cost,
-                       enable_prefix_caching, float(per_token), int(result["weight_bytes_per_rank"]), budget, notes)
+                       enable_prefix_caching, float(per_token), int(result["weight_bytes_per_rank"]), budget, notes,
+                       speculation)
+
+
+def calibrated_speculation(spec: ModelSpec, draft: ModelSpec, acceptance_rate: float, k: int, engine: dict,
+                           cost: LinearCost, max_model_len: int, seed: int = 0) -> tuple[int, Speculation]:
+    """(blocks, speculation) for a calibrated engine given a draft: the calibrated pool's bytes re-cut into
+    blocks holding both caches, and the draft priced at the calibrated cost times the plan's cost ratio."""
+    from kvlab.plan.capacity import kv_bytes_per_sequence
+    block_size = int(engine["block_size"])
+    kv_dtype = engine.get("kv_cache_dtype") or "auto"
+    request = PlanRequest(context=max_model_len, kv_cache_dtype=kv_dtype, model_dtype=engine.get("dtype") or "fp32",
+                          block_size=block_size, draft=draft, acceptance_rate=acceptance_rate,
+                          num_speculative_tokens=k)
+    budget = int(engine["num_blocks"]) * kv_bytes_per_sequence(spec, block_size, request.formats())
+    request.kv_cache_memory = budget
+    info = plan(spec, request)["speculative"]
+    if info["cost_ratio"] is None:
+        raise FleetError(f"{spec.name} has no parameter count: the draft's relative cost is unknown")
+    return int(info["pool_blocks"]), Speculation(draft.name, acceptance_rate, k,
+                                                 ScaledCost(cost, float(info["cost_ratio"])), seed)
 
 
 def replica_kv_bytes(spec: ModelSpec, replica: ReplicaSpec, formats) -> float:

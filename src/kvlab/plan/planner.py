@@ -190,7 +190,8 @@ def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.
                      result: dict[str, Any]) -> None:
     """The draft's share of memory, the shared pool kvlab's engine builds, and the paper's expected speed-up."""
     draft, k = request.draft, request.num_speculative_tokens
-    blocks, target_block, draft_block = shared_pool_blocks(target, draft, budget, formats, request.block_size or 16)
+    blocks, target_block, draft_block = shared_pool_blocks(target, draft, budget, formats, request.block_size or 16,
+                                                           request.tensor_parallel)
     target_weights = active_weight_bytes(target, weight_bytes(target, request.weight_dtype,
                                                               request.weight_group_size))
     draft_weights = active_weight_bytes(draft, weight_bytes(draft, request.weight_dtype, request.weight_group_size))

@@ -27,16 +27,19 @@ def with_draft(target: ModelSpec, draft: ModelSpec) -> ModelSpec:
 
 
 def shared_pool_blocks(target: ModelSpec, draft: ModelSpec, budget: int, formats: CacheFormats,
-                       block_size: int) -> tuple[int, int, int]:
-    """(blocks, target bytes per block, draft bytes per block) of a pool where every block holds both caches."""
-    target_block = kv_bytes_per_sequence(target, block_size, formats)
-    draft_block = kv_bytes_per_sequence(draft, block_size, formats)
+                       block_size: int, tensor_parallel: int = 1) -> tuple[int, int, int]:
+    """(blocks, target bytes per block, draft bytes per block) of a pool where every block holds both caches.
+
+    `budget` and the bytes are per tensor-parallel rank (both models' KV heads split over the ranks).
+    """
+    target_block = kv_bytes_per_sequence(target, block_size, formats, tensor_parallel)
+    draft_block = kv_bytes_per_sequence(draft, block_size, formats, tensor_parallel)
     return max(0, budget) // (target_block + draft_block), target_block, draft_block
 
 
 def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
     """Tokens one speculative step emits on average: 1 + a + a^2 + ... + a^k."""
-    _check(acceptance_rate, k)
+    check_speculation(acceptance_rate, k)
     if acceptance_rate == 1.0:
         return float(k + 1)
     return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
@@ -49,7 +52,8 @@ def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float) -> float
     return expected_tokens_per_step(acceptance_rate, k) / (k * cost_ratio + 1)
 
 
-def _check(acceptance_rate: float, k: int) -> None:
+def check_speculation(acceptance_rate: float, k: int) -> None:
+    """The acceptance rate and drafted tokens every speculative figure accepts (plan and fleet alike)."""
     if not 0 <= acceptance_rate <= 1:
         raise PlanError(f"--acceptance-rate must be in [0, 1], got {acceptance_rate}")
     if not isinstance(k, int) or k < 1:
