@@ -137,3 +137,22 @@ def test_expected_speedup_is_the_papers_formula():
     assert expected_tokens_per_step(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
     assert expected_tokens_per_step(1.0, 4) == 5
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+
+
+def test_blocks_filled_by_accepted_drafts_are_named_from_their_own_tokens(stories_model, stories_tokenizer):
+    """Accepted drafts advance num_computed before they are appended; every block the prefix
+    cache names must hold a full block of the tokens the sequence really has there."""
+    engine = make_engine(stories_model, stories_tokenizer, block_size=4,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    seq = engine.add_request("Once upon a time, once upon a time, once upon a", greedy(200, ignore_eos=True))
+    named = 0
+    while engine.has_unfinished():
+        engine.step()
+        ids = seq.all_ids
+        for b, block_id in enumerate(seq.block_table):
+            block = engine.blocks.blocks[block_id]
+            if block.hash is not None and block.ref_count:
+                assert block.token_ids == tuple(ids[4 * b:4 * b + 4])
+                named += 1
+    assert named and engine.runner.spec_stats.num_accepted_tokens > 0
+    assert_pool_free(engine)

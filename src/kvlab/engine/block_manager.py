@@ -138,7 +138,9 @@ class BlockManager:
             return
         chain = self.hash_chains.setdefault(seq.request_id, [])
         ids = seq.all_ids
-        while len(chain) < seq.num_computed // self.block_size:
+        # With speculation, num_computed already counts accepted drafts that are appended to
+        # the sequence only after this call: a block is named once all its tokens are there.
+        while len(chain) < min(seq.num_computed, len(ids)) // self.block_size:
             b = len(chain)
             tokens = tuple(ids[b * self.block_size:(b + 1) * self.block_size])
             h = chain_hash(chain[-1] if chain else None, tokens)

@@ -231,6 +231,8 @@ class LLMEngine:
                     delta.finished, delta.finish_reason = piece.finished, piece.finish_reason
                 if seq.finished:
                     break
+            if self.speculative is not None and not seq.finished:
+                self.blocks.commit_full_blocks(seq)  # the blocks its accepted drafts just filled
             if delta is not None:
                 deltas.append(delta)
         return deltas
