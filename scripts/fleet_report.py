@@ -183,7 +183,26 @@ def render() -> None:
                 verdicts.append(f"{row['workload']}: throughput {'within' if tp_ok else 'MISSES'} 10% "
                                 f"({e.get('request_throughput', 0):+.1%}), p95 TTFT "
                                 f"{'within' if ttft_ok else 'MISSES'} 25% ({e.get('p95_ttft_ms', 0):+.1%})")
-        lines += ["", "Against the targets: " + "; ".join(verdicts) + ".", "", "VALIDATION_NOTES", ""]
+        lines += ["", "Against the targets: " + "; ".join(verdicts) + "."]
+        inproc = [row for row in val["rows"] if "engine_only" in row]
+        if inproc:
+            lines += ["", "The same requests through the engine in one process (no HTTP server, no benchmark client; "
+                      "arrivals replayed in real time), against the simulator:", "",
+                      "| load | throughput engine / pred | p50 TTFT ms engine / pred | p95 TTFT ms engine / pred | "
+                      "p50 TPOT ms engine / pred | p95 TPOT ms engine / pred | throughput err | p95 TTFT err |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for row in inproc:
+                m, p, e = row["engine_only"], row["predicted"], row["errors_vs_engine_only"]
+                lines.append(f"| {row['workload']} | {m['request_throughput']:.3f} / {p['request_throughput']:.3f} | "
+                             f"{_ms(m['p50_ttft_ms'])} / {_ms(p['p50_ttft_ms'])} | "
+                             f"{_ms(m['p95_ttft_ms'])} / {_ms(p['p95_ttft_ms'])} | "
+                             f"{_ms(m['p50_tpot_ms'])} / {_ms(p['p50_tpot_ms'])} | "
+                             f"{_ms(m['p95_tpot_ms'])} / {_ms(p['p95_tpot_ms'])} | "
+                             f"{e['request_throughput']:+.0%} | {e['p95_ttft_ms']:+.0%} |")
+            loads = ", ".join(f"{row['workload']} {row['load_average_1min'][0]:.2f} to {row['load_average_1min'][1]:.2f}"
+                              for row in val["rows"] if "load_average_1min" in row)
+            lines += ["", f"1-minute load average before and after each server run: {loads}."]
+        lines += ["", "VALIDATION_NOTES", ""]
     else:
         lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", "",
                   "VALIDATION_STATUS", ""]
