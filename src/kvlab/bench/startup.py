@@ -3,7 +3,8 @@
 What a user waits for before the first thing happens: `kvlab plan FILE.gguf` and `kvlab plan
 NAME` to exit, a Python process to hold a ready `LLMEngine` (imports, torch's included, the
 GGUF read, the planes built), and `kvlab serve NAME` to answer 200 on /health, then how long
-that server's first one-token completion takes (the first forward pass in a process). Each
+that server's first one-token completion takes (the first forward pass in a process); the
+engine's process also reports its imports and its load (`load_for_engine` + `LLMEngine`). Each
 figure is a new process, so Python and torch start from nothing; the file is in the OS page
 cache after the warm-up round (dropping it needs root and would disturb other work here).
 Where the environment sets PYTHONDONTWRITEBYTECODE, every run compiles kvlab's sources anew;
@@ -34,14 +35,17 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
-MEASURES = ("plan_file", "plan_name", "engine", "serve_health", "serve_first_completion")
-ENGINE_SNIPPET = (
-    "import sys\n"
+MEASURES = ("plan_file", "plan_name", "engine", "engine_imports", "engine_load", "serve_health",
+            "serve_first_completion")
+ENGINE_SNIPPET = (  # prints how long its imports (torch's included) and the load itself took
+    "import sys, time\n"
+    "start = time.perf_counter()\n"
     "from kvlab.engine.engine import EngineConfig, LLMEngine\n"
     "from kvlab.engine.llm import load_for_engine\n"
+    "imported = time.perf_counter()\n"
     "model, tokenizer = load_for_engine(sys.argv[1])\n"
     "LLMEngine(model, tokenizer, EngineConfig())\n"
-    "print('ready', flush=True)\n"
+    "print('ready', imported - start, time.perf_counter() - imported, flush=True)\n"
 )
 TIMEOUT_S = 180.0
 
@@ -65,16 +69,17 @@ def time_exit(command: list[str], env: dict) -> float:
     return time.perf_counter() - start
 
 
-def time_ready(command: list[str], env: dict) -> float:
-    """Seconds from spawning `command` to the line "ready" on its stdout (the engine exists)."""
+def time_ready(command: list[str], env: dict) -> tuple[float, float, float]:
+    """(seconds from spawning `command` to the line "ready IMPORTS LOAD" on its stdout, IMPORTS, LOAD)."""
     start = time.perf_counter()
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as child:
         line = child.stdout.readline()
         elapsed = time.perf_counter() - start
         child.wait(timeout=TIMEOUT_S)
-    if line.strip() != "ready" or child.returncode:
+    words = line.split()
+    if len(words) != 3 or words[0] != "ready" or child.returncode:
         raise RuntimeError(f"{' '.join(command)} did not get an engine ready (exit {child.returncode})")
-    return elapsed
+    return elapsed, float(words[1]), float(words[2])
 
 
 def _free_port() -> int:
@@ -128,8 +133,9 @@ def time_serve(kvlab: str, model: str, env: dict) -> tuple[float, float]:
 def round_of(kvlab: str, gguf: str, model: str, env: dict) -> dict[str, float]:
     """One cold figure of every measure for one tree."""
     figures = {"plan_file": time_exit([kvlab, "plan", gguf], env),
-               "plan_name": time_exit([kvlab, "plan", model], env),
-               "engine": time_ready([sys.executable, "-c", ENGINE_SNIPPET, model], env)}
+               "plan_name": time_exit([kvlab, "plan", model], env)}
+    figures["engine"], figures["engine_imports"], figures["engine_load"] = time_ready(
+        [sys.executable, "-c", ENGINE_SNIPPET, model], env)
     figures["serve_health"], figures["serve_first_completion"] = time_serve(kvlab, model, env)
     return figures
 

@@ -18,6 +18,8 @@ LABELS = {
     "plan_file": "`kvlab plan FILE.gguf` to exit",
     "plan_name": "`kvlab plan smollm2-135m` to exit",
     "engine": "process start to `LLMEngine` ready",
+    "engine_imports": "of which imports (torch's included)",
+    "engine_load": "of which `load_for_engine` + `LLMEngine`",
     "serve_health": "`kvlab serve` to first 200 on /health",
     "serve_first_completion": "that server's first 1-token completion",
 }
@@ -35,7 +37,7 @@ def _section(name: str, result: dict) -> list[str]:
              f"torch {prov['torch_version']}, Python {prov['python_version']}.", "",
              "| figure | " + " | ".join(labels) + (f" | {labels[-1]} / {labels[0]} |" if len(labels) > 1 else " |"),
              "|---|" + "---|" * (len(labels) + (len(labels) > 1))]
-    for measure, figures in result["results"].items():
+    for measure, figures in result["results"].items():  # older runs lack some measures: rows for those they have
         medians = figures["median_s"]
         row = f"| {LABELS.get(measure, measure)} | " + " | ".join(f"{medians[label]:.3f}" for label in labels)
         if len(labels) > 1:
