@@ -19,10 +19,11 @@ gguf = require_module("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from kvlab.checkpoints.gguf import config_from_gguf, load_weights, read_gguf  # noqa: E402
-from kvlab.checkpoints.gguf_planes import planes_from_blocks  # noqa: E402
+from kvlab.checkpoints.gguf import (LAYER_MATRICES, _rows, config_from_gguf, load_weights, planes_of,  # noqa: E402
+                                    read_gguf)
+from kvlab.checkpoints.gguf_planes import packed_from_blocks, planes_from_blocks, stack_packed  # noqa: E402
 from kvlab.nn.generate import generate  # noqa: E402
-from kvlab.nn.ggml import GGMLLinear, GGMLStack  # noqa: E402
+from kvlab.nn.ggml import GGMLLinear, GGMLStack, PackedPlanes, ggml_layer, stack_planes  # noqa: E402
 from kvlab.nn.model import Decoder  # noqa: E402
 
 DIM, FFN, VOCAB, HEADS, KV_HEADS, LAYERS = 256, 512, 64, 4, 2, 2  # K-quant blocks hold 256 weights
@@ -123,6 +124,7 @@ def test_block_packing_keeps_every_matrix_and_fuses_mixed_stacks(twin_files):
         assert [kinds[f"blocks.{i}.{m}"] for m in ("attn.o", "mlp.down")] == ["q4_1", "q8_0"]
         assert isinstance(packed.blocks[i].mlp.gate_up, GGMLStack)  # Q5_0 gate (q8_0) beside Q4_1 up
     assert kinds["lm_head"] == "q8_0"
+    assert torch.equal(packed.embed.weight, dense.embed.weight)  # the tied table, decoded in C from the head
     for name, module in packed.named_modules():
         if isinstance(module, (GGMLLinear, GGMLStack)) and ".parts." not in name:
             assert torch.equal(module.weight, dense.get_submodule(name).weight), name
@@ -149,3 +151,56 @@ def test_kernels_read_the_planes_as_gguf_decodes_them(kind):
     data, decoded = stored(kind, 8, 512, np.random.default_rng(5))
     planes = planes_from_blocks(data, kind.name, 512)
     assert torch.equal(GGMLLinear(planes).weight, torch.from_numpy(decoded))
+
+
+ALL_KINDS = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0, T.Q6_K]
+
+
+def assert_same_buffers(new: PackedPlanes, old: PackedPlanes) -> None:
+    assert (new.kind, new.cols) == (old.kind, old.cols)
+    for mine, theirs in ((new.codes, old.codes), (new.scales, old.scales), (new.offsets, old.offsets)):
+        assert (mine is None) == (theirs is None)
+        if theirs is not None:
+            assert mine.dtype == theirs.dtype and mine.is_contiguous() and torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_packing_straight_from_the_blocks_equals_packing_the_planes(kind):
+    """The loader's route (blocks straight into the kernels' layout, rows taken in a permuted
+    order, two matrices written into one stack) holds the very codes, scales and offsets that
+    unpacking to natural-order planes, permuting, concatenating and repacking gave."""
+    rng = np.random.default_rng(7)
+    (first, _), (second, _) = stored(kind, 16, 512, rng), stored(kind, 8, 512, rng)
+    order = rng.permutation(16)
+    old = stack_planes([planes_from_blocks(first, kind.name, 512).map_rows(lambda t: t[torch.from_numpy(order)]),
+                        planes_from_blocks(second, kind.name, 512)]).packed()
+    new = stack_packed([packed_from_blocks(first, kind.name, 512).take_rows(order),
+                        packed_from_blocks(second, kind.name, 512)])
+    assert_same_buffers(new, old)
+
+
+def test_every_loaded_layer_holds_what_the_planes_route_gave(twin_files):
+    """Whole-model check on the mixed file: every GGMLLinear the loader builds (Q/K rows
+    un-permuted, mixed-kind stacks, the tied head) has the buffers of the former route."""
+    require_kernels()
+    typed, _ = twin_files
+    file = read_gguf(typed)
+    config = config_from_gguf(file.header)
+    _, modules = load_weights(file, config, "gguf")
+    assert len(modules) == 1 + 4 * LAYERS
+    for name, module in modules.items():
+        if name == "lm_head":
+            names, parts = ["token_embd.weight"], ["token_embd"]
+        else:
+            _, layer, ours = name.split(".", 2)
+            parts = list(LAYER_MATRICES[ours])
+            names = [f"blk.{layer}.{part}.weight" for part in parts]
+        old = ggml_layer([planes_of(file.tensors[n]).map_rows(_rows(p, config)) for n, p in zip(names, parts)])
+        mine = list(module.parts) if isinstance(module, GGMLStack) else [module]
+        theirs = list(old.parts) if isinstance(old, GGMLStack) else [old]
+        assert len(mine) == len(theirs), name
+        for a, b in zip(mine, theirs):
+            assert (a.kind, a.in_features, a.out_features) == (b.kind, b.in_features, b.out_features), name
+            for buffer in ("codes", "scales", "offsets"):
+                x, y = getattr(a, buffer), getattr(b, buffer)
+                assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), (name, buffer)

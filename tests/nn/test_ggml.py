@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, Planes, stack_planes
+from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, PackedPlanes, Planes, stack_planes
 
 from needs import require_kernels
 
@@ -75,6 +75,28 @@ def test_bad_planes_are_refused():
         GGMLLinear(Planes("q8_0", planes.codes.to(torch.int8), planes.scales, planes.offsets))
     with pytest.raises(ValueError, match="unsupported planes kind"):
         GGMLLinear(Planes("q5_k", planes.codes, planes.scales))
+
+
+@pytest.mark.parametrize("kind", sorted(GROUP))
+def test_packed_planes_are_taken_as_they_are(kind):
+    """GGMLLinear keeps a PackedPlanes' own tensors (no copy) and decodes them as the Planes they came from."""
+    planes = random_planes(kind, 32, 64, np.random.default_rng(5))
+    packed = planes.packed()
+    layer = GGMLLinear(packed)
+    assert layer.codes is packed.codes and layer.scales is packed.scales and layer.offsets is packed.offsets
+    assert torch.equal(layer.weight, planes.dense())
+    assert (packed.codes.shape[1], packed.codes.dtype) == ((32, torch.uint8) if kind == "q4_1" else (64, torch.int8))
+
+
+def test_bad_packed_planes_are_refused():
+    packed = random_planes("q4_1", 32, 64, np.random.default_rng(6)).packed()
+    for bad in (PackedPlanes("q4_1", 64, packed.codes[:, :16], packed.scales, packed.offsets),  # half the codes
+                PackedPlanes("q4_1", 64, packed.codes.to(torch.int8), packed.scales, packed.offsets),
+                PackedPlanes("q4_1", 64, packed.codes, packed.scales.double(), packed.offsets),
+                PackedPlanes("q4_1", 64, packed.codes, packed.scales, None),
+                PackedPlanes("q4_1", 64, packed.codes.t().contiguous().t(), packed.scales, packed.offsets)):
+        with pytest.raises(ValueError, match="do not describe one"):
+            GGMLLinear(bad)
 
 
 def test_activation_quantiser_is_round_half_even_per_block(kernels_lib):

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from kvlab.cli import main
+from needs import STORIES, require_file
 
 CARD_KEYS = {"cache_budget_bytes", "seats", "max_context", "decode_ms_per_token", "decode_tokens_per_s",
              "prefill_ms", "binding_limit", "kv_cache_tokens"}
@@ -102,6 +103,18 @@ def test_importing_the_planner_imports_neither_torch_nor_numpy():
             "import kvlab.commands.plan_cmd\n"
             "bad = [name for name in ('torch', 'numpy', 'transformers', 'gguf') if name in sys.modules]\n"
             "print(','.join(bad))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == ""
+
+
+def test_planning_a_gguf_file_and_a_name_imports_neither_torch_nor_numpy():
+    """Running the command, not just importing it: the header reader and the table renderer too."""
+    path = require_file(STORIES, "../shared/models/stories260K.gguf")
+    code = ("import contextlib, io, sys\n"
+            "from kvlab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert main(['plan', {str(path)!r}]) == 0 and main(['plan', 'smollm2-135m']) == 0\n"
+            "print(','.join(name for name in ('torch', 'numpy', 'transformers', 'gguf') if name in sys.modules))")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == ""
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import ModelConfig
-from kvlab.checkpoints.gguf_planes import planes_from_blocks
-from kvlab.nn.ggml import Planes, ggml_layer, kernels, stack_planes
+from kvlab.checkpoints.gguf_planes import BlockPlanes, packed_from_blocks, planes_from_blocks, stack_packed
+from kvlab.nn.ggml import GROUP, Planes, ggml_layer, kernels, stack_planes
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
@@ -42,10 +42,21 @@ class StoredTensor:
     (elements for float types, uint8 block rows for quantised ones, as gguf-py lays them out)."""
 
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    type_id: int  # ggml's tensor type (kvlab.plan.gguf_file.TENSOR_TYPES)
     shape: tuple[int, ...]  # GGUF order, innermost first
     data: np.ndarray
     n_bytes: int
+
+    @property
+    def type_name(self) -> str:
+        return TENSOR_TYPES[self.type_id][0]
+
+    @property
+    def tensor_type(self) -> Any:
+        """gguf-py's GGMLQuantizationType (imported only when asked: loading needs no gguf-py)."""
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.type_id)
 
 
 @dataclass
@@ -73,8 +84,6 @@ def read_gguf(path: str) -> GGUFFile:
     """Parse the header with the planner's stdlib reader and map the tensors without copying them."""
     import mmap
 
-    from gguf import GGMLQuantizationType
-
     header = read_gguf_header(path, strings=True)
     with open(path, "rb") as handle:
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)  # numpy's views keep it open
@@ -88,8 +97,7 @@ def read_gguf(path: str) -> GGUFFile:
             _, block, size = TENSOR_TYPES[info.type_id]
             data = np.frombuffer(mapped, np.uint8, info.n_bytes, info.offset).reshape(
                 *outer[:-1], outer[-1] // block * size)
-        tensors[info.name] = StoredTensor(info.name, GGMLQuantizationType(info.type_id), info.dims, data,
-                                          info.n_bytes)
+        tensors[info.name] = StoredTensor(info.name, info.type_id, info.dims, data, info.n_bytes)
     return GGUFFile(path, header, tensors)
 
 
@@ -134,21 +142,39 @@ def permute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(out_features, in_features))
 
 
-def dequantize(tensor: Any) -> torch.Tensor:
-    """One stored tensor as fp32 [rows, cols] (GGUF lists dims innermost first)."""
-    from gguf import GGMLQuantizationType, quants
+def dequantize(tensor: StoredTensor) -> torch.Tensor:
+    """One stored tensor as fp32 [rows, cols] (GGUF lists dims innermost first).
 
+    Float types and every block type kvlab.checkpoints.gguf_planes reads decode here with numpy
+    (code x scale (+ offset), the arithmetic of gguf.quants.dequantize, bit for bit); other
+    types go through gguf-py's own dequantiser.
+    """
     shape = [int(n) for n in reversed(tensor.shape)]
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-        array = np.asarray(tensor.data)
-        if tensor.tensor_type == GGMLQuantizationType.BF16:
-            array = quants.dequantize(array, tensor.tensor_type)
-        return torch.from_numpy(array.astype(np.float32, copy=False).reshape(shape).copy())
+    kind = tensor.type_name
+    if kind in _ELEMENT_TYPES:  # astype copies: the tensor must not alias the read-only mapping
+        return torch.from_numpy(np.asarray(tensor.data).astype(np.float32).reshape(shape))
+    if len(shape) == 2:
+        planes = planes_from_blocks(np.asarray(tensor.data).reshape(shape[0], -1), kind, shape[1])
+        if planes is not None:
+            return _dense(planes)
+    from gguf import quants
+
     try:  # a plain ndarray view: numpy's memmap subclass costs seconds of bookkeeping per model here
         array = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
     except NotImplementedError:
-        raise PlanError(f"tensor {tensor.name}: quantisation {tensor.tensor_type.name} is not supported") from None
+        raise PlanError(f"tensor {tensor.name}: quantisation {kind} is not supported") from None
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+
+
+def _dense(planes: Planes) -> torch.Tensor:
+    """`planes.dense()` in numpy, in place: code x scale, then + offset, each rounded once, as
+    gguf.quants computes them (without torch's temporaries, 113 MB each for SmolLM2's embedding)."""
+    rows, cols = planes.codes.shape
+    weights = planes.codes.numpy().astype(np.float32).reshape(rows, -1, GROUP[planes.kind])
+    weights *= planes.scales.numpy()[..., None]
+    if planes.offsets is not None:
+        weights += planes.offsets.numpy()[..., None]
+    return torch.from_numpy(weights.reshape(rows, cols))
 
 
 # Each fused kvlab matrix and the GGUF tensors whose rows it stacks.
@@ -170,30 +196,51 @@ def _rows(name: str, config: ModelConfig):
     return lambda t: t
 
 
+def row_order(name: str, config: ModelConfig, rows: int) -> Optional[np.ndarray]:
+    """`_rows(name, config)` as row indices (None: rows as stored), from the same function."""
+    if name not in ("attn_q", "attn_k"):
+        return None
+    return _rows(name, config)(torch.arange(rows)[:, None])[:, 0].numpy()
+
+
 PACKINGS = ("dense", "int4", "gguf")
 
 
-def raw_rows(tensor: Any) -> torch.Tensor:
-    """A quantised tensor's stored bytes, one row of blocks per output row: uint8 [rows, bytes]."""
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(tensor.data)).reshape(int(tensor.shape[1]), -1).copy())
+def block_rows(tensor: StoredTensor) -> np.ndarray:
+    """A quantised matrix's stored bytes as a view of the file, one row of blocks per output row: uint8 [rows, bytes]."""
+    return np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
 
 
-def planes_of(tensor: Any) -> Optional[Planes]:
+def planes_of(tensor: StoredTensor) -> Optional[Planes]:
     """A quantised tensor as planes (kvlab.checkpoints.gguf_planes), None for other types."""
-    return planes_from_blocks(raw_rows(tensor).numpy(), tensor.tensor_type.name, int(tensor.shape[0]))
+    if len(tensor.shape) != 2:
+        return None
+    return planes_from_blocks(block_rows(tensor), tensor.type_name, int(tensor.shape[0]))
 
 
-def packed_linear(parts: list[str], stored: list[Any], config: ModelConfig, packing: str) -> Optional[nn.Module]:
+def packed_of(tensor: StoredTensor) -> Optional[BlockPlanes]:
+    """A quantised matrix in the kernels' layout, still views of the file where it can be; None for other types."""
+    if len(tensor.shape) != 2:
+        return None
+    return packed_from_blocks(block_rows(tensor), tensor.type_name, int(tensor.shape[0]))
+
+
+def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelConfig, packing: str
+                  ) -> Optional[nn.Module]:
     """The layer that computes on `stored` (row-stacked) as the packing keeps it, or None to
     dequantise it: "gguf" takes any planes, "int4" 4-bit planes of one kind."""
     if packing not in ("gguf", "int4") or (packing == "gguf" and kernels() is None):
         return None
+    if packing == "gguf":  # the file's blocks copied once into the kernels' layout (gguf_planes.stack_packed)
+        blocks = [packed_of(t) for t in stored]
+        if any(b is None for b in blocks):
+            return None
+        return ggml_layer([b.take_rows(row_order(name, config, b.rows)) for name, b in zip(parts, blocks)],
+                          stack_packed)
     planes = [planes_of(t) for t in stored]
     if any(p is None for p in planes):
         return None
     planes = [p.map_rows(_rows(name, config)) for name, p in zip(parts, planes)]
-    if packing == "gguf":
-        return ggml_layer(planes)
     if len({p.kind for p in planes}) != 1:
         return None
     stacked = stack_planes(planes)
@@ -215,7 +262,7 @@ def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
             raise PlanError(f"GGUF file lacks tensor {name}")
         return file.tensors[name]
 
-    state = {"embed.weight": dequantize(tensor("token_embd.weight")), "norm.weight": dequantize(tensor("output_norm.weight"))}
+    state = {"norm.weight": dequantize(tensor("output_norm.weight"))}
     modules: dict[str, nn.Module] = {}
     head = "token_embd" if config.tie_embeddings else "output"
     layer = packed_linear([head], [tensor(f"{head}.weight")], config, packing) if packing == "gguf" else None
@@ -223,6 +270,10 @@ def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
         modules["lm_head"] = layer
     elif not config.tie_embeddings:
         state["lm_head.weight"] = dequantize(tensor("output.weight"))
+    # A tied head packed from the embedding's own blocks decodes to the table in C (every planes
+    # kind's code x scale (+ offset) is exact there, as gguf.quants computes it; tests check).
+    tied = layer is not None and config.tie_embeddings
+    state["embed.weight"] = layer.weight if tied else dequantize(tensor("token_embd.weight"))
     for i in range(config.n_layers):
         state[f"blocks.{i}.attn_norm.weight"] = dequantize(tensor(f"blk.{i}.attn_norm.weight"))
         state[f"blocks.{i}.mlp_norm.weight"] = dequantize(tensor(f"blk.{i}.ffn_norm.weight"))

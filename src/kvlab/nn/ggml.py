@@ -166,6 +166,53 @@ class Planes:
         offsets = transform(self.offsets) if self.offsets is not None else None
         return Planes(self.kind, transform(self.codes), transform(self.scales), offsets)
 
+    def packed(self) -> "PackedPlanes":
+        """The same matrix in the layout GGMLLinear keeps (two "q4_1" codes to a byte)."""
+        rows, cols = self.codes.shape
+        if self.kind == "q4_1":  # per 32 weights, 16 bytes: low nibbles weights 0..15, high nibbles 16..31
+            codes = self.codes.to(torch.uint8).view(rows, -1, 2, 16)
+            packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, -1)
+        else:
+            packed = self.codes.to(torch.int8)
+        offsets = self.offsets.float().contiguous() if self.offsets is not None else None
+        return PackedPlanes(self.kind, cols, packed.contiguous(), self.scales.float().contiguous(), offsets)
+
+
+@dataclass
+class PackedPlanes:
+    """Planes as GGMLLinear holds them and the C kernels read them, every tensor contiguous.
+
+    "q4_1" codes are two to a byte, per 32 weights 16 bytes: low nibbles weights 0..15, high
+    nibbles 16..31, which is how GGUF's Q4_0 and Q4_1 blocks store them, so a loader can copy
+    those bytes as they lie (kvlab.checkpoints.gguf_planes.packed_from_blocks) instead of
+    unpacking codes to bytes and packing them again. Other kinds keep int8 codes, one a byte.
+    """
+
+    kind: str
+    cols: int  # weights per row (a "q4_1" row holds cols / 2 bytes)
+    codes: torch.Tensor  # uint8 [rows, cols / 2] for "q4_1", int8 [rows, cols] otherwise
+    scales: torch.Tensor  # fp32 [rows, cols / GROUP[kind]]
+    offsets: Optional[torch.Tensor] = None  # fp32 like scales, "q4_1" only
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def check(self) -> None:
+        """ValueError unless the tensors describe one matrix of this kind in the kernels' layout."""
+        kind, rows, cols = self.kind, self.rows, self.cols
+        if kind not in GROUP:
+            raise ValueError(f"unsupported planes kind {kind!r}; expected one of {sorted(GROUP)}")
+        width, dtype = (cols // 2, torch.uint8) if kind == "q4_1" else (cols, torch.int8)
+        groups = (rows, cols // GROUP[kind]) if cols % QK == 0 else None
+        if (cols % QK or self.codes.shape != (rows, width) or self.codes.dtype != dtype
+                or self.scales.shape != groups or self.scales.dtype != torch.float32
+                or (self.offsets is not None) != (kind == "q4_1")
+                or (self.offsets is not None and (self.offsets.shape != groups or self.offsets.dtype != torch.float32))
+                or not all(t.is_contiguous() for t in (self.codes, self.scales, self.offsets) if t is not None)):
+            raise ValueError(f"packed {kind} planes of codes {list(self.codes.shape)} ({self.codes.dtype}) and "
+                             f"scales {list(self.scales.shape)} do not describe one {cols}-column matrix")
+
 
 def stack_planes(parts: list[Planes]) -> Planes:
     """Row-stacked matrices of one kind (Q, K and V rows; gate and up rows) as one."""
@@ -182,28 +229,28 @@ class GGMLLinear(nn.Module):
 
     packing = "gguf"
 
-    def __init__(self, planes: Planes):
+    def __init__(self, planes: "Planes | PackedPlanes"):
         super().__init__()
-        kind, (rows, cols) = planes.kind, planes.codes.shape
-        if kind not in GROUP:
-            raise ValueError(f"unsupported planes kind {kind!r}; expected one of {sorted(GROUP)}")
-        if cols % QK or planes.scales.shape != (rows, cols // GROUP[kind]) \
-                or (planes.offsets is not None) != (kind == "q4_1"):
-            raise ValueError(f"{kind} planes of codes {list(planes.codes.shape)} and scales "
-                             f"{list(planes.scales.shape)} do not describe one matrix")
+        if isinstance(planes, Planes):
+            kind, (rows, cols) = planes.kind, planes.codes.shape
+            if kind not in GROUP:
+                raise ValueError(f"unsupported planes kind {kind!r}; expected one of {sorted(GROUP)}")
+            if cols % QK or planes.scales.shape != (rows, cols // GROUP[kind]) \
+                    or (planes.offsets is not None) != (kind == "q4_1"):
+                raise ValueError(f"{kind} planes of codes {list(planes.codes.shape)} and scales "
+                                 f"{list(planes.scales.shape)} do not describe one matrix")
+            planes = planes.packed()
+        planes.check()
         if kernels() is None:
             raise RuntimeError("the GGML kernels are unavailable on this machine (no C compiler or no AVX2)")
-        self.kind, self.in_features, self.out_features = kind, cols, rows
-        self.kind_id = KIND_IDS[kind]
-        if kind == "q4_1":  # per 32 weights, 16 bytes: low nibbles weights 0..15, high nibbles 16..31
-            codes = planes.codes.to(torch.uint8).view(rows, -1, 2, 16)
-            packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, -1)
-            self.register_buffer("offsets", planes.offsets.float().contiguous())
+        self.kind, self.in_features, self.out_features = planes.kind, planes.cols, planes.rows
+        self.kind_id = KIND_IDS[planes.kind]
+        if planes.offsets is not None:
+            self.register_buffer("offsets", planes.offsets)
         else:
-            packed = planes.codes.to(torch.int8)
             self.offsets = None
-        self.register_buffer("codes", packed.contiguous())
-        self.register_buffer("scales", planes.scales.float().contiguous())
+        self.register_buffer("codes", planes.codes)
+        self.register_buffer("scales", planes.scales)
 
     def _apply(self, fn, recurse=True):
         # model.to(torch.bfloat16) must not narrow the scales and offsets: the C kernels read
@@ -268,14 +315,15 @@ class GGMLStack(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def ggml_layer(parts: list[Planes]) -> nn.Module:
+def ggml_layer(parts: list, stack: Optional[Callable[[list], "Planes | PackedPlanes"]] = None) -> nn.Module:
     """Row-stacked planes as one layer: consecutive parts of one kind share a GGMLLinear, and a
-    GGMLStack lays kinds side by side where they differ."""
-    groups: list[list[Planes]] = []
+    GGMLStack lays kinds side by side where they differ. `stack` joins a run of one kind
+    (default `stack_planes`, for `Planes`; loaders pass kvlab.checkpoints.gguf_planes.stack_packed)."""
+    groups: list[list] = []
     for part in parts:
         if groups and groups[-1][0].kind == part.kind:
             groups[-1].append(part)
         else:
             groups.append([part])
-    layers = [GGMLLinear(stack_planes(group)) for group in groups]
+    layers = [GGMLLinear((stack or stack_planes)(group)) for group in groups]
     return layers[0] if len(layers) == 1 else GGMLStack(layers)

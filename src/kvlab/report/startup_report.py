@@ -1,0 +1,81 @@
+"""reports/startup/README.md, written from kvlab.bench.startup's JSON files and nothing else.
+
+    python -m kvlab.report.startup_report [reports/startup]
+
+Every *.json in the folder is one run of the benchmark (trees compared, medians, samples,
+provenance); the page lists each as a table, so no figure is typed by hand. Hand-written
+remarks live in notes.md beside them and are appended as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+LABELS = {
+    "plan_file": "`kvlab plan FILE.gguf` to exit",
+    "plan_name": "`kvlab plan smollm2-135m` to exit",
+    "engine": "process start to `LLMEngine` ready",
+    "engine_imports": "of which imports (torch's included)",
+    "engine_load": "of which `load_for_engine` + `LLMEngine`",
+    "serve_health": "`kvlab serve` to first 200 on /health",
+    "serve_first_completion": "that server's first 1-token completion",
+}
+
+
+def _section(name: str, result: dict) -> list[str]:
+    labels = list(result["trees"])
+    prov = result["provenance"]
+    trees = ", ".join(f"{label} = {tree['src']} at {(tree['git_commit'] or 'unknown')[:7]}"
+                      for label, tree in result["trees"].items())
+    lines = [f"## {name}", "",
+             f"{result['runs']} cold runs each after {result['warmup']} warm-up round(s), medians in seconds; "
+             f"{trees}; bytecode {result['bytecode']}; `{result['kvlab_executable']}`; "
+             f"{prov['time_utc']}, {prov['machine']['cpu']} ({prov['machine']['cores']} cores), "
+             f"torch {prov['torch_version']}, Python {prov['python_version']}.", "",
+             "| figure | " + " | ".join(labels) + (f" | {labels[-1]} / {labels[0]} |" if len(labels) > 1 else " |"),
+             "|---|" + "---|" * (len(labels) + (len(labels) > 1))]
+    for measure, figures in result["results"].items():  # older runs lack some measures: rows for those they have
+        medians = figures["median_s"]
+        row = f"| {LABELS.get(measure, measure)} | " + " | ".join(f"{medians[label]:.3f}" for label in labels)
+        if len(labels) > 1:
+            row += f" | {medians[labels[-1]] / medians[labels[0]]:.2f}"
+        lines.append(row + " |")
+    lines.append("")
+    return lines
+
+
+def render(folder: Path) -> str:
+    lines = ["# Cold start-up: plan, engine, serve (SmolLM2-135M-Instruct, Q4_1 GGUF)", "",
+             "<!-- Written by `python -m kvlab.report.startup_report` from the JSON files here; edit notes.md. -->", "",
+             "Regenerate (a few minutes; the second run measures with bytecode cached, as an install has it):", "",
+             "```bash",
+             "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.startup --tree main=/work/main/src --tree branch=src \\",
+             "    --runs 5 --json-out reports/startup/startup.json",
+             "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.startup --tree main=/work/main/src --tree branch=src \\",
+             "    --runs 5 --pycache /tmp/kvlab-pycache --json-out reports/startup/startup_bytecode.json",
+             "python -m kvlab.report.startup_report reports/startup",
+             "```", "",
+             "Each figure is a fresh process (Python and torch start from nothing; the GGUF is in the OS "
+             "page cache); the trees take turns within every round, so ratios come from one run.", ""]
+    for path in sorted(folder.glob("*.json")):
+        lines += _section(path.stem, json.loads(path.read_text()))
+    notes = folder / "notes.md"
+    if notes.is_file():
+        lines += [notes.read_text().rstrip(), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0] if argv else "reports/startup")
+    temp = folder / ".README.md.tmp"  # then a rename: a reader never sees half a page
+    temp.write_text(render(folder))
+    os.replace(temp, folder / "README.md")
+    print(f"wrote {folder / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
