@@ -19,6 +19,7 @@ import torch
 
 from kvlab.checkpoints.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
                                            from_deepseek_state, is_deepseek_family, to_deepseek_state)
+from kvlab.checkpoints.hf_rope import norm_eps_and_rope_base
 from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
@@ -61,13 +62,7 @@ def config_from_json(data: dict) -> ModelConfig:
         raise PlanError("kvlab loads Llama-family HF checkpoints without attention or MLP biases")
     if any(shape.windows):
         raise PlanError("this config slides a window over its layers; kvlab's HF loader runs full attention only")
-    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise PlanError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    eps, theta = data.get("rms_norm_eps", 1e-6), data.get("rope_theta", rope.get("rope_theta", 10000.0))
-    for key, value in (("rms_norm_eps", eps), ("rope_theta", theta)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise PlanError(f"config.json's {key} must be a positive number, got {value!r}")
+    eps, theta = norm_eps_and_rope_base(data)
     return ModelConfig(
         vocab_size=shape.vocab, dim=shape.hidden, n_layers=shape.layers, n_heads=shape.q_heads,
         n_kv_heads=shape.kv_heads, head_dim=shape.head_dim, ffn_dim=shape.intermediate, norm_eps=float(eps),

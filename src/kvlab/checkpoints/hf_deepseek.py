@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.checkpoints.hf_rope import norm_eps_and_rope_base
 from kvlab.nn.config import ModelConfig
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hf_shape import Shape
@@ -61,13 +62,7 @@ def deepseek_model_config(data: dict, shape: Shape) -> ModelConfig:
         raise PlanError("kvlab's MLA takes queries straight from the hidden state; this config has q_lora_rank")
     if shape.qkv_bias or shape.o_bias:
         raise PlanError("kvlab's MLA has no attention biases; this config has attention_bias")
-    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise PlanError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    eps, theta = data.get("rms_norm_eps", 1e-6), data.get("rope_theta", rope.get("rope_theta", 10000.0))
-    for key, value in (("rms_norm_eps", eps), ("rope_theta", theta)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise PlanError(f"config.json's {key} must be a positive number, got {value!r}")
+    eps, theta = norm_eps_and_rope_base(data)
     interleave = data.get("rope_interleave", True)  # DeepSeek-V2's RoPE pairs adjacent channels
     if not isinstance(interleave, bool):
         raise PlanError(f"config.json's rope_interleave must be true or false, got {interleave!r}")
