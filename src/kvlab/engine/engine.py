@@ -40,8 +40,7 @@ class EngineConfig:
     """vLLM's knobs (plus the seeds' max_wait_ms); see `kvlab serve --help`."""
 
     kv_cache_dtype: str = "auto"
-    kv_cache_memory: Optional[Union[int, str]] = None  # bytes ("2GiB" too) for the pool; None: a fraction of
-    # available memory
+    kv_cache_memory: Optional[Union[int, str]] = None  # bytes or "2GiB"; None: a share of available memory
     kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
     block_size: int = 16
     max_num_seqs: int = 64
