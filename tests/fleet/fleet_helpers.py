@@ -18,3 +18,11 @@ def requests(rate=4.0, n=300, prompt="uniform:128:0.5", output="uniform:64:0.5",
              prefix_len=100, seed=3, num_prefixes=1):
     return draw(Workload(rate, n, LengthDist.parse(prompt), LengthDist.parse(output), 1.0, prefix_fraction,
                          prefix_len, num_prefixes, seed))
+
+
+def replay(sim, reqs) -> None:
+    """Feed a replica simulator every request at its arrival time, then run it dry."""
+    for i, t in enumerate(reqs.arrival):
+        sim.advance_until(float(t))
+        sim.add(i, float(t))
+    sim.drain()

@@ -3,7 +3,7 @@ and the fast path agreeing with the engine's scheduler step for step."""
 
 import numpy as np
 import pytest
-from fleet_helpers import replica, requests
+from fleet_helpers import replay, replica, requests
 
 import kvlab.engine.engine as engine_module
 from kvlab.engine.block_manager import BlockManager
@@ -105,10 +105,7 @@ def test_kv_pool_is_never_over_allocated(kind):
     reqs = requests(rate=30.0, n=200, prefix_fraction=0.6, num_prefixes=2)
     out = Outcomes.empty(len(reqs))
     sim = kind(spec, reqs, out)
-    for i, t in enumerate(reqs.arrival):
-        sim.advance_until(float(t))
-        sim.add(i, float(t))
-    sim.drain()
+    replay(sim, reqs)
     assert out.preemptions.sum() > 0  # the pool really ran dry
     assert sim.peak_blocks_used <= spec.num_blocks
     assert np.isnan(out.finish).sum() == 0
@@ -134,10 +131,7 @@ def test_the_simulator_drives_the_engines_own_scheduler_and_block_manager(monkey
     calls = []
     original = Scheduler.schedule
     monkeypatch.setattr(Scheduler, "schedule", lambda self, now: calls.append(now) or original(self, now))
-    for i, t in enumerate(reqs.arrival):
-        sim.advance_until(float(t))
-        sim.add(i, float(t))
-    sim.drain()
+    replay(sim, reqs)
     assert len(calls) == out.steps > 0
     assert calls == sorted(calls)  # the virtual clock only moves forward
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from fleet_helpers import replica, requests
+from fleet_helpers import replay, replica, requests
 
 from kvlab.cli import main
 from kvlab.fleet.fleet import simulate
@@ -109,10 +109,7 @@ def test_pool_with_lookahead_is_never_over_allocated_and_all_free_at_the_end(kin
     reqs = requests(rate=30.0, n=150, prefix_fraction=0.6, num_prefixes=2)
     out = Outcomes.empty(len(reqs))
     sim = kind(spec, reqs, out)
-    for i, t in enumerate(reqs.arrival):
-        sim.advance_until(float(t))
-        sim.add(i, float(t))
-    sim.drain()
+    replay(sim, reqs)
     assert out.preemptions.sum() > 0 and out.num_accepted_tokens > 0  # the pool really ran dry; drafts landed
     assert sim.peak_blocks_used <= spec.num_blocks
     assert np.isnan(out.finish).sum() == 0
