@@ -12,6 +12,7 @@ Run it alone (it measures): flock /tmp/kvlab-heavy.lock python3 scripts/fleet_va
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -112,16 +113,23 @@ def bench(model: str, port: int, rate: float, n: int, seed: int, path: str) -> d
     return data["results"][0] if "results" in data else data
 
 
+@functools.lru_cache(maxsize=1)
+def _loaded(model: str):
+    """The model and tokenizer, loaded once for every workload's in-process replay."""
+    from kvlab.engine.llm import load_for_engine
+
+    return load_for_engine(model)
+
+
 def engine_only(model: str, engine: dict, reqs: Requests) -> dict:
     """The same requests through the engine in this process, no HTTP and no client: arrivals
     replayed in real time, each step run as soon as the previous ends. Set beside the server's
     figures, it tells the simulator's error (against this) from the serving path's overhead
     (the server's figures against this), which on two cores includes the benchmark client."""
     from kvlab.engine.engine import EngineConfig, LLMEngine
-    from kvlab.engine.llm import load_for_engine
     from kvlab.engine.sampling import SamplingParams
 
-    net, tokenizer = load_for_engine(model)
+    net, tokenizer = _loaded(model)
     eng = LLMEngine(net, tokenizer, EngineConfig(
         kv_cache_memory=engine["kv_cache_memory"], block_size=engine["block_size"],
         max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"]))
