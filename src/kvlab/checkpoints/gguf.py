@@ -1,4 +1,4 @@
-"""Llama-architecture GGUF files (llama.cpp's format) into a kvlab Decoder and Tokenizer.
+"""Llama- and Gemma 3-architecture GGUF files (llama.cpp's format) into a kvlab Decoder and Tokenizer.
 
 How the quantised matrices are kept is the packing's choice: "dense" dequantises every
 tensor once at load with `gguf.quants.dequantize` (transformers' arithmetic); "gguf" keeps
@@ -10,7 +10,9 @@ llama.cpp's converter stores each head's Q and K rows permuted so its adjacent-p
 computes what Hugging Face's rotate-half RoPE computes on the original rows. We undo the
 permutation and use rotate-half everywhere, so GGUF and HF checkpoints share one layout.
 (For a llama2.c model such as stories260K the "un-permuted" rows are a rotate-half
-re-layout of its native interleaved rows: the same function, the same logits.)
+re-layout of its native interleaved rows: the same function, the same logits.) Gemma's
+converter leaves the rows alone (llama.cpp runs it with NeoX, i.e. rotate-half, RoPE), and
+stores its norms' multipliers (Hugging Face's 1 + w) directly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
-from kvlab.nn.config import ModelConfig
+from kvlab.nn.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvlab.checkpoints.gguf_planes import BlockPlanes, packed_from_blocks, planes_from_blocks, stack_packed
 from kvlab.nn.ggml import GROUP, Planes, ggml_layer, kernels, stack_planes
 from kvlab.nn.int4 import Int4Linear, int4_supported
@@ -31,9 +33,11 @@ from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
 from kvlab.plan.gguf_file import TENSOR_TYPES, GGUFHeader, read_gguf_header
 from kvlab.plan.gguf_header import GGUFMetadata, spec_from_gguf_header
-from kvlab.plan.spec import FULL
+from kvlab.plan.spec import FULL, SLIDING
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+ROPE_PERMUTED = ("llama",)  # architectures whose Q/K rows llama.cpp's converter permutes
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3, when the file states none
 
 
 @dataclass(frozen=True)
@@ -103,28 +107,43 @@ def read_gguf(path: str) -> GGUFFile:
 
 def config_from_gguf(header: GGUFHeader) -> ModelConfig:
     """The Decoder config, from the planner's reading of the same header (kvlab.plan.gguf_header)
-    plus the three numbers the planner has no use for: MLP width, norm epsilon, RoPE base."""
+    plus the numbers the planner has no use for: MLP width, norm epsilon, RoPE bases, and
+    Gemma 3's extras (kvlab.nn.config.ModelConfig says what each does)."""
     meta = GGUFMetadata(header.metadata)
     arch = meta.text("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise PlanError(f"unsupported GGUF architecture {arch!r}; kvlab runs {', '.join(SUPPORTED_ARCHITECTURES)}")
     spec = spec_from_gguf_header(header)
+    kinds = (FULL, SLIDING) if arch == "gemma3" else (FULL,)
+    first = spec.layers[0]
     if len(spec.layers) != meta.size(f"{arch}.block_count") or any(
-            layer != spec.layers[0] or layer.kind != FULL or layer.k_head_dim != layer.v_head_dim
+            layer.kind not in kinds or layer.k_head_dim != layer.v_head_dim or
+            (layer.q_heads, layer.kv_heads, layer.k_head_dim) != (first.q_heads, first.kv_heads, first.k_head_dim)
             for layer in spec.layers):
-        raise PlanError("kvlab runs GGUF models whose layers all have the same full attention")
+        raise PlanError("kvlab runs GGUF models whose layers all have the same heads and "
+                        + ("full or sliding attention" if arch == "gemma3" else "full attention"))
     head_dim = spec.head_dim
     if (meta.optional_size(f"{arch}.rope.dimension_count") or head_dim) != head_dim:
         raise PlanError("partial RoPE (rope.dimension_count < head dim) is not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") and meta.number(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        raise PlanError(f"RoPE scaling ({scaling}) is not supported")
     if spec.vocab_size is None:
         raise PlanError(f"{header.path}: no token_embd.weight tensor; is this a language model?")
+    extras: dict[str, Any] = {}
+    if arch == "gemma3":
+        windows = [layer.window if layer.kind == SLIDING else None for layer in spec.layers]
+        extras = dict(mlp="geglu", qk_norm=True, post_norms=True, embed_scale=spec.hidden_size ** 0.5,
+                      layer_types=[SLIDING_ATTENTION if w else FULL_ATTENTION for w in windows],
+                      sliding_window=next((w for w in windows if w), 0),
+                      rope_local_base=meta.number(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
     return ModelConfig(
         vocab_size=spec.vocab_size, dim=spec.hidden_size, n_layers=spec.num_layers, n_heads=spec.q_heads,
         n_kv_heads=spec.kv_heads, head_dim=head_dim, ffn_dim=meta.size(f"{arch}.feed_forward_length"),
         norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_base=meta.number(f"{arch}.rope.freq_base", 10000.0), max_seq_len=spec.max_context or 2048,
         tie_embeddings=spec.tied_embeddings,
-        name=str(meta.get("general.basename") or meta.get("general.name") or "gguf-model"),
+        name=str(meta.get("general.basename") or meta.get("general.name") or "gguf-model"), **extras,
     )
 
 
@@ -185,10 +204,16 @@ LAYER_MATRICES = {
     "mlp.down": ("ffn_down",),
 }
 Q4_GROUP = 32
+# Gemma 3's norms beyond Llama's two, kvlab name -> GGUF name (per block)
+GEMMA_QK_NORMS = {"attn.q_norm": "attn_q_norm", "attn.k_norm": "attn_k_norm"}
+GEMMA_POST_NORMS = {"post_attn_norm": "post_attention_norm", "post_mlp_norm": "post_ffw_norm"}
 
 
-def _rows(name: str, config: ModelConfig):
-    """The row transform a GGUF matrix needs: Q and K rows un-permuted per head."""
+def _rows(name: str, config: ModelConfig, permuted: bool = True):
+    """The row transform a GGUF matrix needs: Q and K rows un-permuted per head (when the file's
+    architecture stores them permuted, ROPE_PERMUTED)."""
+    if not permuted:
+        return lambda t: t
     if name == "attn_q":
         return lambda t: unpermute_rope_rows(t, config.n_heads)
     if name == "attn_k":
@@ -196,9 +221,9 @@ def _rows(name: str, config: ModelConfig):
     return lambda t: t
 
 
-def row_order(name: str, config: ModelConfig, rows: int) -> Optional[np.ndarray]:
-    """`_rows(name, config)` as row indices (None: rows as stored), from the same function."""
-    if name not in ("attn_q", "attn_k"):
+def row_order(name: str, config: ModelConfig, rows: int, permuted: bool = True) -> Optional[np.ndarray]:
+    """`_rows(name, config, permuted)` as row indices (None: rows as stored), from the same function."""
+    if name not in ("attn_q", "attn_k") or not permuted:
         return None
     return _rows(name, config)(torch.arange(rows)[:, None])[:, 0].numpy()
 
@@ -225,8 +250,8 @@ def packed_of(tensor: StoredTensor) -> Optional[BlockPlanes]:
     return packed_from_blocks(block_rows(tensor), tensor.type_name, int(tensor.shape[0]))
 
 
-def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelConfig, packing: str
-                  ) -> Optional[nn.Module]:
+def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelConfig, packing: str,
+                  permuted: bool = True) -> Optional[nn.Module]:
     """The layer that computes on `stored` (row-stacked) as the packing keeps it, or None to
     dequantise it: "gguf" takes any planes, "int4" 4-bit planes of one kind."""
     if packing not in ("gguf", "int4") or (packing == "gguf" and kernels() is None):
@@ -235,12 +260,12 @@ def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelCon
         blocks = [packed_of(t) for t in stored]
         if any(b is None for b in blocks):
             return None
-        return ggml_layer([b.take_rows(row_order(name, config, b.rows)) for name, b in zip(parts, blocks)],
+        return ggml_layer([b.take_rows(row_order(name, config, b.rows, permuted)) for name, b in zip(parts, blocks)],
                           stack_packed)
     planes = [planes_of(t) for t in stored]
     if any(p is None for p in planes):
         return None
-    planes = [p.map_rows(_rows(name, config)) for name, p in zip(parts, planes)]
+    planes = [p.map_rows(_rows(name, config, permuted)) for name, p in zip(parts, planes)]
     if len({p.kind for p in planes}) != 1:
         return None
     stacked = stack_planes(planes)
@@ -262,6 +287,7 @@ def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
             raise PlanError(f"GGUF file lacks tensor {name}")
         return file.tensors[name]
 
+    permuted = file.meta.get("general.architecture") in ROPE_PERMUTED
     state = {"norm.weight": dequantize(tensor("output_norm.weight"))}
     modules: dict[str, nn.Module] = {}
     head = "token_embd" if config.tie_embeddings else "output"
@@ -277,13 +303,17 @@ def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
     for i in range(config.n_layers):
         state[f"blocks.{i}.attn_norm.weight"] = dequantize(tensor(f"blk.{i}.attn_norm.weight"))
         state[f"blocks.{i}.mlp_norm.weight"] = dequantize(tensor(f"blk.{i}.ffn_norm.weight"))
+        extra_norms = {**(GEMMA_QK_NORMS if config.qk_norm else {}), **(GEMMA_POST_NORMS if config.post_norms else {})}
+        for ours, theirs in extra_norms.items():
+            state[f"blocks.{i}.{ours}.weight"] = dequantize(tensor(f"blk.{i}.{theirs}.weight"))
         for ours, parts in LAYER_MATRICES.items():
             stored = [tensor(f"blk.{i}.{part}.weight") for part in parts]
-            layer = packed_linear(list(parts), stored, config, packing)
+            layer = packed_linear(list(parts), stored, config, packing, permuted)
             if layer is not None:
                 modules[f"blocks.{i}.{ours}"] = layer
             else:
-                state[f"blocks.{i}.{ours}.weight"] = torch.cat([_rows(p, config)(dequantize(t)) for p, t in zip(parts, stored)])
+                state[f"blocks.{i}.{ours}.weight"] = torch.cat([_rows(p, config, permuted)(dequantize(t))
+                                                               for p, t in zip(parts, stored)])
     return state, modules
 
 

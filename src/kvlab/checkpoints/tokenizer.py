@@ -127,7 +127,8 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if kind == "llama":
         backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
-                                     meta.get("tokenizer.ggml.unknown_token_id", 0))
+                                     meta.get("tokenizer.ggml.unknown_token_id", 0),
+                                     bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         add_bos_default = True
     elif kind == "gpt2":
         backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
@@ -136,6 +137,10 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
         raise PlanError(f"unsupported GGUF tokenizer model {kind!r} (kvlab reads 'llama' and 'gpt2')")
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)])
+    if kind == "llama":  # SentencePiece matches user-defined pieces whole, before BPE, on the raw text
+        # (llama.cpp's converter writes their "▁" back as spaces, e.g. Gemma's runs of spaces and newlines)
+        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(types) if t == USER_DEFINED])
 
     def token_id(key: str) -> Optional[int]:
         value = meta.get(key)
@@ -146,9 +151,12 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk_id: int) -> Backend:
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk_id: int,
+                       add_space_prefix: bool = True) -> Backend:
+    """SentencePiece's BPE as a `tokenizers` BPE: merges ranked by the merged piece's score.
+    `add_space_prefix` False (Gemma) keeps the text's own start: no "▁" is prepended."""
     vocab = {piece: i for i, piece in enumerate(tokens)}
-    mergeable = [i for i, t in enumerate(types) if t in (NORMAL, USER_DEFINED)]
+    mergeable = [i for i, t in enumerate(types) if t == NORMAL]  # user-defined pieces are added tokens
     merges = []
     for i in sorted(mergeable, key=lambda i: (-scores[i], i)):
         piece = tokens[i]
@@ -158,10 +166,11 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
                 merges.append((left, right))
     unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
     backend = Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE),
-                                               normalizers.Replace(" ", SPIECE_SPACE)])
+    prefix = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence(prefix + [normalizers.Replace(" ", SPIECE_SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+                                         decoders.Fuse()] + strip)
     return backend
 
 

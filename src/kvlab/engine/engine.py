@@ -89,6 +89,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.clock = clock
         mc = model.config
+        if any(mc.windows):
+            raise RequestError(f"{mc.name} has sliding-window layers, which kvlab's engine does not serve yet: its "
+                               "pool keeps every layer's blocks, where vLLM frees the blocks a sliding layer no "
+                               "longer sees; run it with `kvlab generate` or `kvlab eval`, or serve it with vLLM")
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         if config.max_model_len and config.max_model_len > mc.max_seq_len:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from kvlab.cache.step import StepBatch
 from kvlab.nn.config import ModelConfig
+from kvlab.nn.norms import RMSNorm
 from kvlab.nn.rope import RoPE
 
 
@@ -23,6 +24,18 @@ def causal_mask(new_tokens: int, total_tokens: int, device: torch.device) -> tor
     past = total_tokens - new_tokens
     rows = torch.arange(new_tokens, device=device)[:, None] + past
     return torch.arange(total_tokens, device=device)[None, :] <= rows
+
+
+def sliding_mask(new_tokens: int, total_tokens: int, window: int, device: torch.device) -> Optional[torch.Tensor]:
+    """`causal_mask` that also hides keys `window` or more positions back (Gemma's sliding layers:
+    each query sees itself and the window - 1 keys before it); None when nothing is that far back,
+    leaving `attend` its causal default."""
+    if total_tokens <= window:
+        return None
+    past = total_tokens - new_tokens
+    rows = torch.arange(new_tokens, device=device)[:, None] + past
+    keys = torch.arange(total_tokens, device=device)[None, :]
+    return (keys <= rows) & (keys > rows - window)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
@@ -49,16 +62,30 @@ class Attention(nn.Module):
     """Causal self-attention with `n_kv_heads` shared K/V heads and RoPE.
 
     Q, K and V come from one fused projection (rows: Hq*D queries, then Hkv*D keys, then
-    Hkv*D values): at batch 1 one matmul beats three.
+    Hkv*D values): at batch 1 one matmul beats three. With `qk_norm` each query and key head
+    is RMS-normalised before RoPE; layer `layer`'s sliding window (ModelConfig.window_of), if
+    any, masks keys that far back, unless the cache drops them itself (`window_mask`).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_size
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv_heads * self.head_dim
+        self.scale, self.window = config.query_scale, config.window_of(layer)
         self.qkv = nn.Linear(config.dim, self.q_size + 2 * self.kv_size, bias=config.bias)
         self.o = nn.Linear(self.q_size, config.dim, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def _normed(self, heads: torch.Tensor, head_axis: int) -> torch.Tensor:
+        """`heads` with its query and key heads RMS-normalised (a no-op without qk_norm)."""
+        if not self.qk_norm:
+            return heads
+        q, k, v = heads.split((self.n_heads, self.n_kv_heads, self.n_kv_heads), dim=head_axis)
+        return torch.cat((self.q_norm(q), self.k_norm(k), v), dim=head_axis)
 
     def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0,
                 step: Optional[StepBatch] = None) -> torch.Tensor:
@@ -72,6 +99,7 @@ class Attention(nn.Module):
         batch, new, _ = x.shape
         heads = self.qkv(x).view(batch, new, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         q_and_k = self.n_heads + self.n_kv_heads
+        heads = self._normed(heads, 1)
         v = heads[:, q_and_k:]
         if cache is not None and cache.pre_rope:
             # A pre-RoPE cache (KVQuant-style) stores raw keys and rotates what it returns.
@@ -82,8 +110,10 @@ class Attention(nn.Module):
         mask = None
         if cache is not None:
             k, v = cache.update(layer, k, v)
-            mask = cache.window_mask(layer, new) if hasattr(cache, "window_mask") else None
-        y = attend(q, k, v, mask=mask)
+            mask = cache.window_mask(layer, new)  # a cache that drops tokens knows which positions it kept
+        if mask is None and self.window:
+            mask = sliding_mask(new, k.shape[-2], self.window, x.device)
+        y = attend(q, k, v, scale=self.scale, mask=mask)
         return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))
 
     def _forward_step(self, x: torch.Tensor, rope: RoPE, pool, layer: int, step: StepBatch) -> torch.Tensor:
@@ -91,13 +121,15 @@ class Attention(nn.Module):
         tokens = x.shape[1]
         heads = self.qkv(x[0]).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(0, 1)
         q_and_k = self.n_heads + self.n_kv_heads
+        heads = self._normed(heads, 0)
         rotated = rope.at(heads[:q_and_k], step.positions)  # [Hq + Hkv, N, D], each token at its own position
         q, k, v = rotated[:self.n_heads], rotated[self.n_heads:], heads[q_and_k:]
         pool.write(layer, k.transpose(0, 1), v.transpose(0, 1), step.slot_mapping)
         outs, at = [], 0
         for new, context, table in zip(step.query_lens, step.context_lens, step.block_tables):
             keys, values = pool.read(layer, table, context)
-            outs.append(attend(q[None, :, at:at + new], keys[None], values[None])[0])
+            mask = sliding_mask(new, context, self.window, x.device) if self.window else None
+            outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]
         return self.o(y.transpose(0, 1).reshape(1, tokens, self.q_size))

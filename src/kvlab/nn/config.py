@@ -8,15 +8,17 @@ can be compared with planned bytes for exactly the model that ran.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hf_shape import Latent, Shape, count_params
-from kvlab.plan.spec import FULL, MLA, LayerAttention, ModelSpec
+from kvlab.plan.spec import FULL, MLA, SLIDING, LayerAttention, ModelSpec
 
-MLP_KINDS = ("swiglu", "gelu")
+MLP_KINDS = ("swiglu", "gelu", "geglu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 ATTENTION_KINDS = ("gqa", "mla")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' layer_types
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,14 @@ class ModelConfig:
     exact conversion of a GQA model (kvlab.checkpoints.mla) keeps one RoPE key per source KV
     head (query head h reads key h // (n_heads / rope_key_heads)) and `latent_norm=False`.
     `qk_nope_head_dim` may be 0 there: every key channel keeps its RoPE.
+
+    Gemma 3's extras: `qk_norm` (an RMSNorm over each query and key head before RoPE),
+    `post_norms` (RMSNorms on the attention and MLP outputs before each residual add),
+    `embed_scale` (embeddings multiplied by sqrt(dim)), `query_scale` (the logits' scale,
+    query_pre_attn_scalar ** -0.5), GeGLU (`mlp="geglu"`: tanh-GELU gate), and
+    `layer_types` naming each layer full or sliding: a sliding layer's query at position t
+    sees keys t - sliding_window < p <= t, with RoPE base `rope_local_base`. Norm weights are
+    held as the multipliers themselves (Gemma's checkpoints store them minus one).
     """
 
     vocab_size: int
@@ -55,6 +65,13 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_key_heads: int = 1
     latent_norm: bool = True
+    qk_norm: bool = False
+    post_norms: bool = False
+    embed_scale: float = 1.0
+    query_scale: Optional[float] = None  # None: head_size ** -0.5
+    sliding_window: int = 0
+    layer_types: Optional[Sequence[str]] = None  # None: every layer full
+    rope_local_base: Optional[float] = None  # sliding layers' RoPE base; None: rope_base
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -71,6 +88,15 @@ class ModelConfig:
                             "and a non-negative qk_nope_head_dim")
         if self.attention == "mla" and (self.rope_key_heads <= 0 or self.n_heads % self.rope_key_heads):
             raise PlanError(f"{self.rope_key_heads} RoPE key heads must divide the {self.n_heads} query heads")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # JSON gives a list
+            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise PlanError(f"layer_types must name {' or '.join(LAYER_TYPES)} for each of the "
+                                f"{self.n_layers} layers")
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window <= 0:
+                raise PlanError("sliding layers need a positive sliding_window")
+            if SLIDING_ATTENTION in self.layer_types and self.attention == "mla":
+                raise PlanError("kvlab's MLA attends fully: sliding layers are not supported there")
 
     @property
     def kv_heads(self) -> int:
@@ -87,6 +113,16 @@ class ModelConfig:
         if self.mlp == "gelu":
             return 4 * self.dim
         return 256 * ((8 * self.dim // 3 + 255) // 256)
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of layer `layer` (keys it sees, itself included), None if it attends fully."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[Optional[int], ...]:
+        return tuple(self.window_of(layer) for layer in range(self.n_layers))
 
     @property
     def rope_dim(self) -> int:
@@ -112,8 +148,10 @@ class ModelConfig:
             kv_heads=self.n_heads if latent else self.kv_heads,
             head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim if latent else self.head_size,
             intermediate=self.ffn_size, vocab=self.vocab_size, tied=self.tie_embeddings, max_context=self.max_seq_len,
-            qkv_bias=bias, o_bias=bias, gated_mlp=self.mlp == "swiglu", mlp_bias=self.bias,
-            norm_params=2 if self.norm == "layernorm" and self.bias else 1, latent=latent,
+            windows=self.windows if any(self.windows) else (), qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm,
+            gated_mlp=self.mlp in ("swiglu", "geglu"), mlp_bias=self.bias,
+            norm_params=2 if self.norm == "layernorm" and self.bias else 1,
+            norms_per_layer=4 if self.post_norms else 2, latent=latent,
         )
 
     def param_count(self) -> int:
@@ -126,11 +164,15 @@ class ModelConfig:
             layer = LayerAttention(MLA, self.n_heads, self.n_heads, self.qk_nope_head_dim + self.qk_rope_head_dim,
                                    self.v_head_dim, kv_lora_rank=self.kv_lora_rank,
                                    qk_rope_head_dim=self.qk_rope_head_dim, rope_key_heads=self.rope_key_heads)
+            layers = (layer,) * self.n_layers
         else:
-            layer = LayerAttention(FULL, self.n_heads, self.kv_heads, self.head_size, self.head_size)
+            layers = tuple(
+                LayerAttention(SLIDING, self.n_heads, self.kv_heads, self.head_size, self.head_size, window=window)
+                if window else LayerAttention(FULL, self.n_heads, self.kv_heads, self.head_size, self.head_size)
+                for window in self.windows)
         return ModelSpec(
             name=self.name,
-            layers=(layer,) * self.n_layers,
+            layers=layers,
             params_total=self.param_count(),
             hidden_size=self.dim,
             vocab_size=self.vocab_size,

@@ -81,6 +81,8 @@ def why_not_model(model: Decoder) -> Optional[str]:
         return "the GGML kernels are unavailable on this machine"
     if config.attention != "gqa" or config.mlp != "swiglu" or config.norm != "rmsnorm" or config.bias:
         return "only bias-free Llama-family models (RMSNorm, SwiGLU, grouped-query attention) are fused"
+    if config.qk_norm or config.post_norms or any(config.windows) or config.embed_scale != 1.0 or config.query_scale:
+        return "Gemma-style extras (q/k norms, post-norms, sliding windows, scaled embeddings or logits) are not fused"
     if model.dtype != torch.float32:
         return "the fused step computes in fp32"
     single = [model.lm_head] + [m for block in model.blocks for m in (block.attn.o, block.mlp.down)]

@@ -1,4 +1,4 @@
-"""Feed-forward blocks: SwiGLU (Llama family) and the GELU MLP (GPT-2 / nanoGPT)."""
+"""Feed-forward blocks: SwiGLU (Llama family), GeGLU (Gemma) and the GELU MLP (GPT-2 / nanoGPT)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,19 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(dim, 2 * hidden, bias=bias)
         self.down = nn.Linear(hidden, dim, bias=bias)
 
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.hidden, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
+
+
+class GeGLU(SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's MLP (transformers' `gelu_pytorch_tanh`), same fused layout."""
+
+    def activation(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 class GeluMLP(nn.Module):
@@ -43,4 +53,6 @@ def make_mlp(kind: str, dim: int, hidden: int, bias: bool) -> nn.Module:
         return SwiGLU(dim, hidden, bias)
     if kind == "gelu":
         return GeluMLP(dim, hidden, bias)
+    if kind == "geglu":
+        return GeGLU(dim, hidden, bias)
     raise ValueError(f"unknown mlp {kind!r}")

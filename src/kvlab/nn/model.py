@@ -2,7 +2,8 @@
 
 Data flows embed -> blocks (pre-norm attention, pre-norm MLP, residuals) -> norm -> LM head,
 the same shape as nanoGPT's GPT. Positions come from the cache: a forward pass over T new
-tokens on a cache already holding S tokens places them at S..S+T-1.
+tokens on a cache already holding S tokens places them at S..S+T-1. Gemma 3 adds a scale on
+the embeddings, norms on each sub-block's output, and a second RoPE table for its sliding layers.
 """
 
 from __future__ import annotations
@@ -23,19 +24,27 @@ from kvlab.plan.errors import PlanError
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
-        self.attn = MLA(config) if config.attention == "mla" else Attention(config)
+        self.attn = MLA(config) if config.attention == "mla" else Attention(config, layer)
         self.mlp_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
         self.mlp = make_mlp(config.mlp, config.dim, config.ffn_size, config.bias)
+        self.post_norms = config.post_norms
+        if config.post_norms:  # Gemma's "sandwich": each sub-block's output normalised before the residual add
+            self.post_attn_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
+            self.post_mlp_norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
 
     def forward(self, x: torch.Tensor, rope: RoPE, start: int, cache, layer: int, step=None) -> torch.Tensor:
         if step is None:
-            x = x + self.attn(self.attn_norm(x), rope, start, cache, layer)
+            attended = self.attn(self.attn_norm(x), rope, start, cache, layer)
         else:
-            x = x + self.attn(self.attn_norm(x), rope, start, cache, layer, step)
-        return x + self.mlp(self.mlp_norm(x))
+            attended = self.attn(self.attn_norm(x), rope, start, cache, layer, step)
+        if not self.post_norms:
+            x = x + attended
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + self.post_attn_norm(attended)
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
 
 class Decoder(nn.Module):
@@ -49,7 +58,10 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.dim, _weight=unset)
         with torch.device("cpu"):  # real tables even inside from_state_dict's meta-device build
             self.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.rope_local = None  # sliding layers' own table (Gemma 3: base 10,000 against 1,000,000)
+            if any(config.windows) and config.rope_local_base not in (None, config.rope_base):
+                self.rope_local = RoPE(config.rope_dim, config.max_seq_len, config.rope_local_base, config.rope_style)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -119,21 +131,44 @@ class Decoder(nn.Module):
             raise PlanError("MLA models do not run on the paged pool yet")
         start = cache.seq_len(0) if cache is not None and step is None else 0
         x = self.embed(tokens)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)  # rounded to the dtype first, as Gemma does
         for layer, block in enumerate(self.blocks[:num_layers] if num_layers else self.blocks):
-            x = block(x, self.rope, start, cache, layer, step)
+            x = block(x, self.rope_for(layer), start, cache, layer, step)
         if rows is not None:
             x = x[:, rows]
         elif last_only:
             x = x[:, step.last_token_index()] if step is not None else x[:, -1:]
         return self.lm_head(self.norm(x))
 
+    def rope_for(self, layer: int) -> RoPE:
+        """The RoPE table layer `layer` rotates with."""
+        if self.rope_local is not None and self.config.window_of(layer):
+            return self.rope_local
+        return self.rope
+
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
                   group_size: Optional[int] = None, residual: Optional[int] = None,
                   paged: bool = False, block_size: int = 16, pre_rope: bool = False):
-        """A kvlab.cache cache sized for this model, in the model's dtype unless told otherwise."""
+        """A kvlab.cache cache sized for this model, in the model's dtype unless told otherwise.
+
+        A model with sliding layers gets a cache that drops what those layers no longer see
+        (kvlab.cache.window), when its format is stored per token and it is not paged; other
+        formats hold every token and the layers mask what is out of their window.
+        """
         from kvlab import cache as kv
+        from kvlab.cache.base import CacheError
+        from kvlab.plan.kv_formats import FLOAT, GROUP
 
         config = self.config
+        if pre_rope and self.rope_local is not None:
+            raise CacheError("a pre-RoPE cache rotates keys with one RoPE table; this model's sliding layers use another")
+        if any(config.windows) and not paged and not pre_rope and \
+                kv.kv_format(kv_cache_dtype, self.dtype, group_size, residual).scheme in (FLOAT, GROUP):
+            from kvlab.cache.window import make_window_cache
+            return make_window_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
+                                     config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
+                                     layer_windows=config.windows)
         if config.attention == "mla":
             return kv.make_latent_cache(kv_cache_dtype, config.n_layers, batch, config.kv_lora_rank,
                                         config.rope_key_heads * config.qk_rope_head_dim, max_tokens,
