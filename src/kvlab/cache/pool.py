@@ -23,6 +23,7 @@ from torch import Tensor
 
 from kvlab.cache.base import CacheError, model_dtype_name
 from kvlab.cache.codecs import FloatCodec, RowCodec, Scale, make_codec
+from kvlab.cache.step import RELEASED
 from kvlab.plan.kv_formats import FLOAT, GROUP, KVFormat, resolve_kv_format
 
 Fields = dict[str, Tensor]  # codec field -> [num_blocks, kv_heads, block_size, width]
@@ -105,6 +106,20 @@ class KVPool:
         table = torch.tensor(block_table[:need], dtype=torch.long, device=self.device)
         return (self._gather(self.k[layer], self.codecs[0], table, length),
                 self._gather(self.v[layer], self.codecs[1], table, length))
+
+    def read_held(self, layer: int, block_table: list[int], length: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Like `read`, skipping `RELEASED` entries: keys and values [H, held, D] and their positions [held]."""
+        need = -(-length // self.block_size)
+        if need > len(block_table):
+            raise CacheError(f"{length} tokens need {need} blocks, the table has {len(block_table)}")
+        logical = [b for b in range(need) if block_table[b] != RELEASED]
+        table = torch.tensor([block_table[b] for b in logical], dtype=torch.long, device=self.device)
+        positions = (torch.tensor(logical, dtype=torch.long)[:, None] * self.block_size
+                     + torch.arange(self.block_size)[None, :]).flatten()
+        keep = positions < length
+        span = len(logical) * self.block_size
+        return (self._gather(self.k[layer], self.codecs[0], table, span)[:, keep],
+                self._gather(self.v[layer], self.codecs[1], table, span)[:, keep], positions[keep])
 
     def _gather(self, fields: Fields, codec: RowCodec, table: Tensor, length: int) -> Tensor:
         rows = {name: f[table].transpose(0, 1).flatten(1, 2)[:, :length][None] for name, f in fields.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlab.commands.args import byte_size, positive_float, positive_int
+from kvlab.commands.args import byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
 
 PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
@@ -29,6 +29,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share full prompt blocks between requests (default on, as in vLLM)")
+    cache.add_argument("--kv-window", type=positive_int,
+                       help="StreamingLLM's policy: each query sees the --sink-tokens first tokens and the newest "
+                            "W; blocks out of every future window go back to the pool (module-by-module steps)")
+    cache.add_argument("--sink-tokens", type=non_negative_int, default=0,
+                       help="with --kv-window: attention sinks kept (default 0)")
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests per batch (default 64)")
     sched.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
@@ -56,5 +61,6 @@ def engine_from_args(args: argparse.Namespace):
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config, kv_window=args.kv_window,
+                          sink_tokens=args.sink_tokens)
     return LLMEngine(model, tokenizer, config)

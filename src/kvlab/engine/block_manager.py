@@ -4,6 +4,8 @@ The pool (kvlab.cache.KVPool) only stores tensors; which blocks a sequence owns,
 sequences share a block and which prompt prefix a block holds live here, in pure Python.
 Every action has its check: `can_allocate`/`allocate` when a sequence is admitted,
 `can_append`/`append` before a step grows it, `free` when it finishes, is aborted or preempted.
+Under a sinks + window policy `release_outside_window` hands back, after each step, the
+blocks no future query of the sequence can see; their table entries become `RELEASED`.
 
 Prefix caching (vLLM's automatic prefix caching): a full block is named by a hash chained
 from the first token, hash(previous block's hash, this block's token ids), and confirmed by
@@ -19,6 +21,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from kvlab.cache.base import CacheError
+from kvlab.cache.step import RELEASED
 from kvlab.engine.sequence import Sequence
 
 
@@ -144,6 +147,9 @@ class BlockManager:
             b = len(chain)
             tokens = tuple(ids[b * self.block_size:(b + 1) * self.block_size])
             h = chain_hash(chain[-1] if chain else None, tokens)
+            if seq.block_table[b] == RELEASED:  # handed back under the window policy: nothing to name
+                chain.append(h)
+                continue
             block = self.blocks[seq.block_table[b]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tokens
@@ -155,6 +161,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Return every block of `seq`; shared ones only lose a reference. Idempotent per sequence."""
         for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
+            if block_id == RELEASED:
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise CacheError(f"block {block_id} freed more often than it was taken")
@@ -164,6 +172,28 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = seq.draft_computed = 0
         self.hash_chains.pop(seq.request_id, None)
+
+    def release_outside_window(self, seq: Sequence, window: int, sinks: int) -> int:
+        """Hand back the blocks of `seq` no future query sees: every position in them is at or past
+        `sinks` and before num_computed - window (a query at t >= num_computed sees p < sinks or
+        p >= t - window). Returns how many were released."""
+        limit = seq.num_computed - window
+        released = 0
+        for b in range(-(-sinks // self.block_size), max(0, limit // self.block_size)):
+            block_id = seq.block_table[b]
+            if block_id == RELEASED:
+                continue
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+            seq.block_table[b] = RELEASED
+            released += 1
+        return released
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds now (its table less the released entries)."""
+        return sum(1 for block_id in seq.block_table if block_id != RELEASED)
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past the last valid token (a speculative step's rejected drafts)."""

@@ -51,12 +51,19 @@ class EngineConfig:
     seed: int = 0
     fused: bool = True  # run decode steps in C where the model and pool allow
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
+    kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
         # a one-line PlanError (a KvlabError), never a TypeError deep in the pool's sizing.
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if (self.kv_window is not None and self.kv_window <= 0) or self.sink_tokens < 0:
+            raise RequestError(f"--kv-window must be positive and --sink-tokens non-negative, got "
+                               f"{self.kv_window} and {self.sink_tokens}", "kv_window")
+        if self.sink_tokens and self.kv_window is None:
+            raise RequestError("--sink-tokens needs --kv-window", "sink_tokens")
 
 
 def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
@@ -109,8 +116,13 @@ class LLMEngine:
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
         # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
         # with a draft model every block holds both models' K/V (kvlab.plan.speculative, as `kvlab plan --draft`)
+        windowed = config.kv_window is not None
+        if windowed and self.speculative is not None:
+            raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
         if draft is None:
-            self.capacity = vllm_capacity(mc.to_plan_spec(), budget, self.max_model_len, formats, config.block_size,
+            spec = mc.to_plan_spec().with_kv_window(config.kv_window, config.sink_tokens) if windowed \
+                else mc.to_plan_spec()
+            self.capacity = vllm_capacity(spec, budget, self.max_model_len, formats, config.block_size,
                                           device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
         else:
             self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
@@ -125,9 +137,10 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
+                                                   self.max_model_len, config.max_wait_ms, lookahead,
+                                                   config.kv_window, config.sink_tokens), self.blocks)
         paged_step = draft_step = None
-        if config.fused:
+        if config.fused and not windowed:  # the C step reads whole block tables; released blocks need the module path
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
@@ -136,7 +149,7 @@ class LLMEngine:
                 draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
                 draft = packed if draft_step is not None else draft
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len, draft_step)
+                                  self.max_model_len, draft_step, config.kv_window, config.sink_tokens)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
@@ -222,6 +235,8 @@ class LLMEngine:
             self.blocks.commit_full_blocks(seq)
             if self.speculative is not None:
                 self.blocks.trim(seq)
+            if self.config.kv_window is not None:
+                self.blocks.release_outside_window(seq, self.config.kv_window, self.config.sink_tokens)
             delta = None
             for draw in draws:
                 piece = self._append(seq, draw, done)

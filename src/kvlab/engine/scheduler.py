@@ -34,6 +34,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_wait_ms: float = 0.0
     lookahead: int = 0  # slots reserved past each decode for speculative drafts (k)
+    kv_window: Optional[int] = None  # the sinks + window policy: a sequence's blocks are bounded
+    sink_tokens: int = 0
 
 
 def draft_budget(k: int, max_tokens: int | None, outputs: int, max_model_len: int, num_tokens: int,
@@ -71,6 +73,10 @@ class Scheduler:
             raise RequestError(f"this model's maximum context length is {limit} tokens; the request asks for "
                                f"{len(seq.prompt_ids)} prompt + {seq.params.max_tokens} new tokens", "max_tokens")
         need = self.blocks.blocks_for(min(wanted, limit))
+        if self.config.kv_window is not None:  # released blocks come back: at most sinks + window + a chunk held
+            blocks_for = self.blocks.blocks_for
+            need = min(need, blocks_for(self.config.sink_tokens)
+                       + blocks_for(self.config.kv_window + self.config.max_num_batched_tokens) + 1)
         if need > self.blocks.num_blocks:
             raise RequestError(f"the request needs {need} KV blocks and the whole pool has {self.blocks.num_blocks}; "
                                "lower max_tokens or raise --kv-cache-memory", "max_tokens")

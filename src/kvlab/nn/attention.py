@@ -127,8 +127,14 @@ class Attention(nn.Module):
         pool.write(layer, k.transpose(0, 1), v.transpose(0, 1), step.slot_mapping)
         outs, at = [], 0
         for new, context, table in zip(step.query_lens, step.context_lens, step.block_tables):
-            keys, values = pool.read(layer, table, context)
-            mask = sliding_mask(new, context, self.window, x.device) if self.window else None
+            if step.kv_window is not None:  # released blocks skipped, the policy's mask over what is held
+                keys, values, held = pool.read_held(layer, table, context)
+                mask = step.window_mask(new, context, held)
+                if self.window:
+                    mask &= held[None, :] > torch.arange(context - new, context)[:, None] - self.window
+            else:
+                keys, values = pool.read(layer, table, context)
+                mask = sliding_mask(new, context, self.window, x.device) if self.window else None
             outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]

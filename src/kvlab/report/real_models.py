@@ -128,11 +128,12 @@ def serving(setting: KVSetting) -> dict:
 
 def engine_line(setting: KVSetting, model) -> Optional[str]:
     """The engine's own 'Maximum concurrency' start-up line, where its paged pool serves the setting."""
-    if setting.window is not None or setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi"):
+    if setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi"):
         return None
     from kvlab.engine.engine import EngineConfig, LLMEngine
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
-                                                 max_model_len=SERVE_CONTEXT, fused=False))
+                                                 max_model_len=SERVE_CONTEXT, fused=False, kv_window=setting.window,
+                                                 sink_tokens=setting.sinks))
     return engine.capacity_lines[-1]
 
 
@@ -209,12 +210,13 @@ def render(out: Path) -> None:
         "(both lengths, both seeds); every row sees the same keys.",
         "- KVQuant: codebooks fitted by `kvlab calibrate-kv` on 4 x 512 tokens of *Pride and Prejudice* "
         "(sensitivity-weighted), stored here as smollm2-135m.kvquant.safetensors.",
-        f"- Sink + window: the first {SINKS} tokens and the newest {WINDOW} (StreamingLLM), lab cache only (the "
-        "engine's paged pool does not evict the middle of a sequence).",
+        f"- Sink + window: the first {SINKS} tokens and the newest {WINDOW} (StreamingLLM), measured with the lab's "
+        "cache; the engine serves the same policy (`kvlab serve --kv-window W --sink-tokens S`, which hands back "
+        "the blocks out of the window), and its line is the one beside the row.",
         f"- Seats: `kvlab.plan` at {SERVE_CONTEXT:,} tokens per sequence, fp16 weights, 90% of the card "
         "(what `kvlab plan smollm2-135m --context 8192 --gpu l4 --kv-cache-dtype ...` prints). Engine line: "
         f"kvlab's engine built with a {ENGINE_MEMORY // 2**20} MiB pool and --max-model-len {SERVE_CONTEXT}, "
-        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant, pre-RoPE or windowed).",
+        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant or pre-RoPE).",
         "",
         "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | passkey d=0.1 | d=0.5 | d=0.9 | "
         + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) |",
