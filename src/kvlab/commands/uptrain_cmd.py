@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
         ids, source = json.loads(data_file.read_text()), "teacher samples"
     else:
         start = tokenizer.bos_id if tokenizer is not None and tokenizer.bos_id is not None else 0
-        ids, source = teacher_text(teacher.model, args.teacher_tokens, start, seed=args.seed), "teacher samples"
+        from tqdm import tqdm
+        with tqdm(total=args.teacher_tokens, desc="teacher samples", unit="tok", file=sys.stderr) as bar:
+            ids = teacher_text(teacher.model, args.teacher_tokens, start, seed=args.seed, progress=bar.update)
+        source = "teacher samples"
         temporary = data_file.with_suffix(".tmp")
         temporary.write_text(json.dumps(ids))
         os.replace(temporary, data_file)

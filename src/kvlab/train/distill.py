@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
@@ -41,14 +41,20 @@ def token_corpus(ids: list[int], block_size: int, source: str) -> TokenCorpus:
 
 
 @torch.no_grad()
-def teacher_text(teacher, tokens: int, start_id: int, length: int = 256, seed: int = 0) -> list[int]:
-    """`tokens` ids the teacher samples itself (temperature 1), in sequences of `length` from `start_id`."""
+def teacher_text(teacher, tokens: int, start_id: int, length: int = 256, seed: int = 0, batch: int = 8,
+                 progress: Optional[Callable[[int], None]] = None) -> list[int]:
+    """`tokens` ids the teacher samples itself (temperature 1), in sequences of `length` from `start_id`,
+    `batch` sequences per generate call (a decode step reads the weights once for all of them);
+    `progress` is told how many ids each call added."""
     from kvlab.nn.generate import generate
 
     generator, ids = torch.Generator().manual_seed(seed), []
     while len(ids) < tokens:
-        out = generate(teacher, [start_id], length - 1, temperature=1.0, generator=generator)
+        rows = min(batch, -(-(tokens - len(ids)) // (length - 1)))
+        out = generate(teacher, [[start_id]] * rows, length - 1, temperature=1.0, generator=generator)
         ids.extend(int(t) for t in out.reshape(-1).tolist())
+        if progress is not None:
+            progress(out.numel())
     return ids[:tokens]
 
 
