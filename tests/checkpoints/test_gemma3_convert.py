@@ -5,7 +5,8 @@ source's logits, transformers' Gemma3ForCausalLM computes the same logits on it,
 tokenizer files encode as kvlab does. 1 -> 4 KV heads repeats heads (exact) and mean-pooling
 back returns the weights bit for bit; the window cache of the converted model holds the bytes
 the plan of its config.json says; model.gguf reads back to the same weights and runs in
-llama.cpp; what cannot be converted is one line, exit 2. Each OUT is written once per module
+llama.cpp (slow); a head count that does not divide 4 is one line, exit 2 (`--to mla`'s
+refusal is checked on a tiny Gemma in test_hf_gemma.py). Each OUT is written once per module
 (about 1 GB of fp32 weights, in tmp).
 """
 
@@ -45,9 +46,9 @@ def reference(source, ids):
 
 @pytest.fixture(scope="module")
 def same(path, tmp_path_factory):
-    """The GGUF converted to its own head count (nothing changes), with model.gguf."""
+    """The GGUF converted to its own head count (nothing changes)."""
     out = tmp_path_factory.mktemp("gemma") / "same"
-    assert main(["convert", path, "-o", str(out), "--gguf", "--json"]) == 0
+    assert main(["convert", path, "-o", str(out), "--json"]) == 0
     return out
 
 
@@ -79,7 +80,7 @@ def test_config_is_transformers_gemma3_text(same):
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
     assert (config["bos_token_id"], config["eos_token_id"]) == (2, 1)
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "model.gguf"} <= set(os.listdir(same))
+            "generation_config.json"} <= set(os.listdir(same))
 
 
 def test_same_head_count_reproduces_kvlabs_logits(source, same, ids, reference):
@@ -107,7 +108,7 @@ def test_transformers_gemma3_logits_on_out_equal_kvlabs(mha, ids, reference):
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.num_key_value_heads == 4
     with torch.no_grad():
         theirs = model.eval()(ids).logits[0]
-    torch.testing.assert_close(theirs, reference, rtol=0, atol=1e-4)
+    torch.testing.assert_close(theirs, reference, rtol=1e-4, atol=2e-4)  # fp32; measured 8e-5 at logits ~32
 
 
 def test_tokenizer_files_encode_in_transformers_as_in_kvlab(same, source):
@@ -143,10 +144,14 @@ def test_window_cache_bytes_equal_the_plan_of_the_written_config(mha, capsys):
     assert shown["kv_bytes_per_sequence"] == cache.nbytes()
 
 
-def test_gguf_reads_back_to_the_same_weights_and_runs_in_llama_cpp(same, source, ids, reference):
+@pytest.mark.slow
+def test_gguf_reads_back_to_the_same_weights_and_runs_in_llama_cpp(path, source, ids, reference, tmp_path):
+    """`--gguf` writes a 1 GB F32 gemma3 file beside the safetensors (about 25 s here with llama.cpp's run)."""
     from kvlab.checkpoints.resolve import load_checkpoint
     from kvlab.plan.gguf_header import load_gguf_header
 
+    same = tmp_path / "same"
+    assert main(["convert", path, "-o", str(same), "--gguf"]) == 0
     written = load_checkpoint(str(same / "model.gguf"), torch.float32, "dense").model
     original = source.model.state_dict()
     assert all(torch.equal(written.state_dict()[name], original[name]) for name in original)
@@ -174,12 +179,8 @@ def test_export_prints_vllm_serve_and_the_planners_hybrid_prediction(mha, capsys
     assert exported["block_size"] == 128
 
 
-@pytest.mark.parametrize("flags, match", [
-    (["--kv-heads", "3"], "must be positive and divide the 4 query heads"),
-    (["--to", "mla", "--kv-lora-rank", "64"], "sliding-window layers"),
-])
-def test_what_cannot_be_converted_is_one_line_exit_2_and_leaves_nothing(path, tmp_path, capsys, flags, match):
-    assert main(["convert", path, *flags, "-o", str(tmp_path / "out")]) == 2
+def test_a_head_count_that_does_not_divide_4_is_one_line_exit_2_and_leaves_nothing(path, tmp_path, capsys):
+    assert main(["convert", path, "--kv-heads", "3", "-o", str(tmp_path / "out")]) == 2
     lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
-    assert len(lines) == 1 and match in lines[0], lines
+    assert len(lines) == 1 and "must be positive and divide the 4 query heads" in lines[0], lines
     assert os.listdir(tmp_path) == []

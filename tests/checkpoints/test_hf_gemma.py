@@ -13,6 +13,7 @@ import torch
 
 from needs import require_module
 from kvlab.checkpoints.convert import convert_kv_heads
+from kvlab.cli import main
 from kvlab.checkpoints.hf import load_hf, save_hf
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
@@ -105,3 +106,16 @@ def test_gguf_writes_gemma3_and_refuses_what_llama_cpp_would_compute_differently
                          (tiny(rope_local_base=5e3), "base 10000"), (tiny(query_scale=0.5), "head_dim")):
         with pytest.raises(PlanError, match=match):
             write_gguf(other, str(tmp_path / "x.gguf"), metadata)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--to", "mla", "--kv-lora-rank", "8"], "kvlab's MLA attends fully"),
+    (["--kv-heads", "3"], "must be positive and divide the 4 query heads"),
+])
+def test_convert_refusals_are_one_line_exit_2_and_leave_nothing(tmp_path, capsys, flags, match):
+    source = tmp_path / "src"
+    save_hf(tiny(), source)
+    assert main(["convert", str(source), *flags, "-o", str(tmp_path / "out")]) == 2
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
+    assert len(lines) == 1 and match in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
