@@ -82,7 +82,7 @@ def test_transformers_logits_and_tokens_on_out_equal_kvlabs(kv2):
     from kvlab.checkpoints.resolve import load_checkpoint
     tokenizer = transformers.AutoTokenizer.from_pretrained(kv2, local_files_only=True)
     text = "Once upon a time, Lily saw a big dog."
-    assert tokenizer(text).input_ids == load_checkpoint(str(kv2)).tokenizer.encode(text, add_bos=False)
+    assert tokenizer(text).input_ids == load_checkpoint(str(kv2)).tokenizer.encode(text)  # BOS first, as kvlab
 
 
 def test_measured_cache_bytes_equal_the_plan_of_the_written_config(kv2):

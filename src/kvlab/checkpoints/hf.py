@@ -3,7 +3,9 @@
 Llama-family configs are written exactly as transformers' LlamaForCausalLM expects (Q/K in
 rotate-half order, unfused projections), so a converted checkpoint opens in either library.
 Dense MLA models with Llama's MLP and norms are written in DeepSeek-V2's format
-(kvlab.checkpoints.hf_deepseek, which says where transformers differs). Other configs
+(kvlab.checkpoints.hf_deepseek, which says where transformers differs), Gemma 3 models in
+transformers' gemma3_text format (kvlab.checkpoints.hf_gemma: sliding layers, norms stored
+minus one). Other configs
 (GELU/LayerNorm character models) keep kvlab's own names and store the whole ModelConfig
 under "kvlab_config".
 """
@@ -19,6 +21,8 @@ import torch
 
 from kvlab.checkpoints.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
                                            from_deepseek_state, is_deepseek_family, to_deepseek_state)
+from kvlab.checkpoints.hf_gemma import (MODEL_TYPE as GEMMA3, from_gemma3_state, gemma3_config_json,
+                                        gemma3_model_config, is_gemma3_family, to_gemma3_state)
 from kvlab.checkpoints.hf_rope import norm_eps_and_rope_base
 from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.nn.config import ModelConfig
@@ -52,12 +56,14 @@ def config_from_json(data: dict) -> ModelConfig:
     if "kvlab_config" in data:
         known = {f.name for f in fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in data["kvlab_config"].items() if k in known})
-    if data.get("model_type") not in ("llama", "mistral", DEEPSEEK):
-        raise PlanError(f"kvlab loads Llama-family and dense DeepSeek-V2 HF checkpoints; this one is "
-                        f"{data.get('model_type')!r}")
+    if data.get("model_type") not in ("llama", "mistral", DEEPSEEK, GEMMA3):
+        raise PlanError(f"kvlab loads Llama-family, Gemma 3 (gemma3_text) and dense DeepSeek-V2 HF checkpoints; "
+                        f"this one is {data.get('model_type')!r}")
     shape, _ = hf_shape(data)
     if data["model_type"] == DEEPSEEK:
         return deepseek_model_config(data, shape)
+    if data["model_type"] == GEMMA3:
+        return gemma3_model_config(data, shape)
     if shape.qkv_bias or shape.o_bias or shape.mlp_bias:
         raise PlanError("kvlab loads Llama-family HF checkpoints without attention or MLP biases")
     if any(shape.windows):
@@ -99,6 +105,8 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
     if config.attention == "mla":
         return from_deepseek_state(config, get)
+    if is_gemma3_family(config):
+        return from_gemma3_state(config, get)
 
     ours = {"embed.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
     if not config.tie_embeddings:
@@ -115,7 +123,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 def save_hf(model: Decoder, directory: str, tokenizer: Optional[Tokenizer] = None) -> None:
-    """Write `directory` so that `load_hf` (and, for Llama configs, transformers) reads it back."""
+    """Write `directory` so that `load_hf` (and, for Llama and Gemma 3 configs, transformers) reads it back."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
@@ -124,6 +132,9 @@ def save_hf(model: Decoder, directory: str, tokenizer: Optional[Tokenizer] = Non
     elif is_deepseek_family(model.config):
         config = deepseek_config_json(model.config, _DTYPE_NAMES.get(model.dtype, "float32"))
         state = to_deepseek_state(model.state_dict(), model.config)
+    elif is_gemma3_family(model.config):
+        config = gemma3_config_json(model.config, _DTYPE_NAMES.get(model.dtype, "float32"))
+        state = to_gemma3_state(model.state_dict(), model.config)
     else:
         config = {"architectures": ["KvlabDecoder"], "kvlab_config": model.config.to_dict(),
                   "torch_dtype": _DTYPE_NAMES.get(model.dtype, "float32")}

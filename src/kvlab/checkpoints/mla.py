@@ -58,6 +58,12 @@ def check_mla_request(config: ModelConfig, rank: int, rope_dim: int) -> None:
         raise PlanError("--to mla converts grouped-query (MHA/GQA/MQA) attention; this model already uses MLA")
     if config.bias:
         raise PlanError("--to mla converts attention without biases; this model has them")
+    if any(config.windows):
+        raise PlanError("--to mla: kvlab's MLA attends fully, and this model (Gemma 3) has sliding-window layers; "
+                        "no MLA form of it is written")
+    if config.qk_norm:
+        raise PlanError("--to mla: a per-head RMSNorm on the keys (q/k norm) cannot be folded into a latent "
+                        "projection; this model has one")
     d = config.head_size
     if rope_dim % 2 or not 2 <= rope_dim <= d:
         raise PlanError(f"--rope-dim {rope_dim} must be even and between 2 and the head dim {d}")

@@ -17,7 +17,7 @@ import json
 import os
 from typing import Callable, Optional, Sequence
 
-from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers, processors
 
 from kvlab.plan.errors import PlanError
 
@@ -64,8 +64,22 @@ class Tokenizer:
                                     bos_token=self.token(self.bos_id) or "", eos_token=self.token(self.eos_id) or "")
 
     def save(self, directory: str) -> None:
-        """tokenizer.json and tokenizer_config.json, as a Hugging Face directory holds them."""
-        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        """tokenizer.json and tokenizer_config.json, as a Hugging Face directory holds them.
+
+        A tokenizer that starts text with BOS saves a post-processor that puts it there, so
+        transformers' AutoTokenizer (and vLLM, which tokenizes with it) encodes as `encode`
+        does: transformers' generic fast tokenizer ignores `add_bos_token`. `encode` itself
+        skips post-processing, so kvlab's ids do not change.
+        """
+        previous = self.backend.post_processor
+        if self.add_bos and self.bos_id is not None:
+            bos = self.token(self.bos_id)
+            self.backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, self.bos_id)])
+        try:
+            self.backend.save(os.path.join(directory, "tokenizer.json"))
+        finally:
+            self.backend.post_processor = previous
         config = {"bos_token": self.token(self.bos_id), "eos_token": self.token(self.eos_id),
                   "add_bos_token": self.add_bos, "tokenizer_class": "PreTrainedTokenizerFast"}
         if self.chat_template:

@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   kvlab convert smollm2-135m --kv-heads 1 -o smollm2-mqa              # GQA (3 KV heads) -> MQA
   kvlab convert smollm2-135m --kv-heads 9 -o smollm2-mha --gguf       # -> MHA, exact; also model.gguf
   kvlab convert stories260k --kv-heads 2 --method first -o s260k-kv2
+  kvlab convert gemma-3-270m --kv-heads 4 -o gemma-mha --gguf        # Gemma 3: 1 -> 4 KV heads, exact
   kvlab convert ./my-hf-dir --kv-heads 4 -o out --force --json
   kvlab convert stories260k --to mla --kv-lora-rank full -o s260k-mla  # exact: reproduces the source
   kvlab convert smollm2-135m --to mla --kv-lora-rank 128 --rope-dim 32 -o smollm2-mla
@@ -50,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
                                    epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="SRC",
-                        help="smollm2-135m, stories260k, a .gguf file, a Hugging Face directory or a kvlab .pt")
+                        help="smollm2-135m, stories260k, gemma-3-270m, a .gguf file, a Hugging Face directory or a kvlab .pt")
     parser.add_argument("-o", "--out", required=True, metavar="OUT", help="the directory to write (must not exist)")
     parser.add_argument("--kv-heads", type=positive_int,
                         help="KV heads of the result; must divide the query heads (default: unchanged)")
@@ -145,7 +146,7 @@ def _check_mla_flags(args: argparse.Namespace) -> bool:
     if args.kv_lora_rank is None:
         raise PlanError("--to mla needs --kv-lora-rank R (or 'full')")
     if args.gguf:
-        raise PlanError("--gguf writes Llama-family GGUF files; llama.cpp has no kvlab MLA layout")
+        raise PlanError("--gguf writes Llama-family and Gemma 3 GGUF files; llama.cpp has no kvlab MLA layout")
     return True
 
 
