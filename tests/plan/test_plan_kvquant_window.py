@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvlab.cli import main
 from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence, kv_fixed_bytes
 from kvlab.plan.loaders import load_model
@@ -16,8 +18,12 @@ def plan_json(capsys, *args: str) -> dict:
 
 def test_kvquant3_rows_and_fixed_bytes_leave_the_pool_once(capsys) -> None:
     result = plan_json(capsys, "--kv-cache-dtype", "kvquant3", "--context", "8192", "--gpu", "l4")
-    # 30 layers x (K + V) x 3 heads x (24 code bytes + 4 scale/zero + 1 outlier of 3 bytes)
-    assert result["kv_bytes_per_token"] == 30 * 2 * 3 * 31
+    # 30 layers x 3 heads x (a key row: 24 code bytes + an outlier count, and 1% of 64 channels of
+    # 3-byte outliers in the head's pool; a value row: 24 code bytes + fp16 scale and zero + 1 outlier)
+    assert result["kv_bytes_per_token"] == pytest.approx(30 * 3 * ((24 + 1 + 0.64 * 3) + (24 + 4 + 3)))
+    # the first token of a sequence is kept whole in fp16 (the attention sink); the pool has floor(0.64 n) slots
+    rows = 8191
+    assert result["kv_bytes_per_sequence"] == 30 * 3 * (2 * 64 * 2 + rows * (25 + 31) + (rows * 64 // 100) * 3)
     # per layer: two 8-entry fp16 codebooks and the keys' fp16 mean and scale per head and channel
     assert result["kv_fixed_bytes"] == 30 * (2 * 8 * 2 + 2 * 3 * 64 * 2)
     usable = result["cache_budget_bytes"] - result["kv_fixed_bytes"]

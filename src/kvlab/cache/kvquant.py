@@ -1,13 +1,16 @@
 """KVQuant (Hooper et al., 2024): non-uniform codebooks, pre-RoPE per-channel keys, dense-and-sparse.
 
 Each token's head vector is stored as a row (kvlab.plan.kv_formats counts its bytes):
-- keys are cached before RoPE and first normalised per channel by an offline mean and scale
-  (their outlier channels are the same at every token, so this evens the row out);
-- the row's `ceil(dim / 100)` (1%) largest-magnitude values are kept exactly in fp16 with
-  their channel indices: the sparse part, which would otherwise stretch the row's range;
-- the rest (the dense part) is min-max normalised to [0, 1] with an fp16 scale and zero,
-  and each value becomes the index of its nearest centroid in the layer's codebook of
-  2**bits values, fitted offline on calibration activations (kvquant_fit.py).
+- keys are cached before RoPE and normalised per channel by an offline zero and range, the
+  centre and half-width of each channel's calibration values once its 1% most extreme are set
+  aside (KVQuant's per-channel keys: their outlier channels are the same at every token, so a
+  per-channel range fits them and a per-token one would not); a key row stores no scale;
+- values are normalised per token: min-max over the row's dense part, an fp16 scale and zero;
+- each row's `ceil(dim * percent / 100)` values furthest out of that range are kept exactly in
+  fp16 with their channel indices (the sparse part, which would otherwise stretch or clip the
+  range); every other value becomes the index of its nearest centroid in the layer's codebook
+  of 2**bits values, fitted offline on calibration activations (kvquant_calibration.py);
+- the first `sink_tokens` tokens of a sequence (the attention sink) are kept whole in fp16.
 The codebooks and channel statistics are per layer and fixed: the plan counts them once.
 """
 
@@ -17,14 +20,15 @@ from itertools import chain
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvlab.cache.base import CacheError, KVCache, KVShape, Rope
 from kvlab.cache.bitpack import pack_bits, unpack_bits
-from kvlab.cache.codecs import Fields, RowCodec
+from kvlab.cache.codecs import Fields, FloatCodec, RowCodec
 from kvlab.cache.rows import GrowingKV, GrowingRows
-from kvlab.plan.kv_formats import KVQUANT, outlier_index_bytes, outliers_per_row, packed_row_bytes, \
-    resolve_kv_format
+from kvlab.plan.kv_formats import KVQUANT, outlier_capacity, outlier_count_bytes, outlier_index_bytes, \
+    outliers_per_row, packed_row_bytes, resolve_kv_format
 
 
 def nearest_code(u: Tensor, codebook: Tensor) -> Tensor:
@@ -50,23 +54,117 @@ def dense_range(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return lo.to(torch.float16), (hi - lo).to(torch.float16)
 
 
-class KVQuantCodec(RowCodec):
-    """One layer's K or V rows: codebook indices, fp16 scale/zero, fp16 outliers with indices.
+def out_of_range(xn: Tensor) -> Tensor:
+    """How far each channel-normalised key lies outside [-1, 1] as |xn| (0 inside): the outlier ranking."""
+    return torch.where(xn.abs() > 1, xn.abs(), torch.zeros_like(xn))
 
-    `codebook` [2**bits] in [0, 1], sorted; `mean`/`scale` [H, D] normalise keys per channel
-    (None for values).
+
+def pick_outliers(xn: Tensor, allowed: Tensor) -> Tensor:
+    """Mask of the out-of-range values of xn [B, H, n, D] furthest out, at most allowed[b, h] per head."""
+    score = out_of_range(xn).flatten(2)
+    mask = torch.zeros_like(score, dtype=torch.bool)
+    most = min(int(allowed.max()) if allowed.numel() else 0, score.shape[-1])
+    if most > 0:
+        top = score.topk(most, dim=-1)
+        keep = (torch.arange(most, device=xn.device) < allowed[..., None]) & (top.values > 0)
+        mask.scatter_(-1, top.indices, keep)
+    return mask.view_as(xn)
+
+
+def value_dense(x: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Value rows: (u in [0, 1] over the row's dense range, fp16 zero, fp16 scale, outlier indices, mask)."""
+    index, _, mask = split_outliers(x, count)
+    zero, scale = dense_range(x, mask)
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    return ((x - zero.float()) / step).clamp(0, 1), zero, scale, index, mask
+
+
+class KVQuantKeyRows:
+    """One layer's pre-RoPE key rows: codebook indices over a per-channel offline range, and the
+    values outside that range in a per-head pool of fp16 outliers (compressed sparse rows).
+
+    `codebook` [2**bits] in [-1, 1], sorted; `zero`/`range_` [H, D]: each channel's centre and
+    half-width, so a key x is stored as codebook(clip((x - zero) / range)) unless it is an
+    outlier. Each row stores its outlier count; the pool of head h holds
+    outlier_capacity(rows, dim, percent) slots, filled in row order, so a token with many
+    out-of-range values (they cluster in a few tokens) uses slots others left free. Has
+    GrowingRows' interface (append, read, tensors, clear).
     """
 
-    def __init__(self, dim: int, bits: int, outlier_percent: int, codebook: Tensor,
-                 mean: Optional[Tensor] = None, scale: Optional[Tensor] = None) -> None:
+    def __init__(self, dim: int, bits: int, outlier_percent: int, codebook: Tensor, zero: Tensor, range_: Tensor,
+                 lead: tuple[int, ...], device: torch.device) -> None:
+        if codebook.numel() != 1 << bits:
+            raise CacheError(f"a {bits}-bit codebook has {1 << bits} centroids, got {codebook.numel()}")
+        self.dim, self.bits, self.percent, self.lead, self.device = dim, bits, outlier_percent, lead, device
+        self.index_dtype = torch.uint8 if outlier_index_bytes(dim) == 1 else torch.int16
+        self.count_dtype = torch.uint8 if outlier_count_bytes(dim) == 1 else torch.int16
+        self.codebook = codebook.to(torch.float16).sort().values.to(device)
+        self.zero = zero.to(torch.float16)[None, :, None, :].to(device)
+        self.range = range_.to(torch.float16)[None, :, None, :].to(device)
+        self.clear()
+
+    def clear(self) -> None:
+        empty = lambda *shape, dtype: torch.zeros(*self.lead, *shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.codes = empty(0, packed_row_bytes(self.dim, self.bits), dtype=torch.uint8)
+        self.counts = empty(0, 1, dtype=self.count_dtype)
+        self.outlier_values = empty(0, dtype=torch.float16)
+        self.outlier_index = empty(0, dtype=self.index_dtype)
+
+    def constants(self) -> list[Tensor]:
+        """The fixed tensors (codebook, channel zero and range) the plan counts once per layer."""
+        return [self.codebook, self.zero, self.range]
+
+    def tensors(self) -> Iterator[Tensor]:
+        return iter((self.codes, self.counts, self.outlier_values, self.outlier_index))
+
+    def normalise(self, x: Tensor) -> Tensor:
+        return (x.float() - self.zero.float()) / self.range.float()
+
+    def append(self, x: Tensor) -> None:
+        """Encode rows x [*lead, n, dim] after the rows already held."""
+        x = x.to(self.device)
+        xn = self.normalise(x)
+        rows = self.codes.shape[-2] + x.shape[-2]
+        capacity = outlier_capacity(rows, self.dim, self.percent)
+        used = self.counts.long().sum(dim=(-2, -1))
+        mask = pick_outliers(xn, capacity - used)
+        flat = mask.flatten(2)
+        slot = torch.where(flat, used[..., None] + flat.long().cumsum(-1) - 1, torch.full_like(used[..., None], capacity))
+        grow = capacity - self.outlier_values.shape[-1]
+        channel = torch.arange(flat.shape[-1], device=self.device) % self.dim
+        values = F.pad(self.outlier_values, (0, grow + 1)).scatter(-1, slot, x.flatten(2).to(torch.float16))
+        index = F.pad(self.outlier_index, (0, grow + 1)).scatter(-1, slot, channel.to(self.index_dtype).expand_as(slot))
+        self.outlier_values, self.outlier_index = values[..., :capacity], index[..., :capacity]
+        codes = nearest_code(xn.clamp(-1, 1), self.codebook.float())
+        self.codes = torch.cat([self.codes, pack_bits(codes, self.bits)], dim=-2)
+        self.counts = torch.cat([self.counts, mask.sum(-1, keepdim=True).to(self.count_dtype)], dim=-2)
+
+    def read(self, dtype: torch.dtype) -> Tensor:
+        rows = self.codes.shape[-2]
+        x = self.codebook.float()[unpack_bits(self.codes, self.bits, self.dim)] * self.range.float() + self.zero.float()
+        capacity = self.outlier_values.shape[-1]
+        if capacity:
+            ends = self.counts.long().squeeze(-1).cumsum(-1)  # [*lead, rows]: where each row's outliers end
+            slot = torch.arange(capacity, device=self.device).expand(*self.lead, capacity).contiguous()
+            row = torch.searchsorted(ends, slot, right=True)
+            target = torch.where(slot < ends[..., -1:], row * self.dim + self.outlier_index.long(), rows * self.dim)
+            x = F.pad(x.flatten(2), (0, 1)).scatter(-1, target, self.outlier_values.float())[..., :-1].view_as(x)
+        return x.to(dtype)
+
+
+class KVQuantValueCodec(RowCodec):
+    """One layer's value rows: codebook indices over the row's own range, fp16 scale/zero and outliers.
+
+    `codebook` [2**bits] in [0, 1], sorted.
+    """
+
+    def __init__(self, dim: int, bits: int, outlier_percent: int, codebook: Tensor) -> None:
         if codebook.numel() != 1 << bits:
             raise CacheError(f"a {bits}-bit codebook has {1 << bits} centroids, got {codebook.numel()}")
         self.dim, self.bits = dim, bits
         self.outliers = outliers_per_row(dim, outlier_percent)
         self.index_dtype = torch.uint8 if outlier_index_bytes(dim) == 1 else torch.int16
         self.codebook = codebook.to(torch.float16).sort().values
-        self.mean = None if mean is None else mean.to(torch.float16)[None, :, None, :]
-        self.scale = None if scale is None else scale.to(torch.float16)[None, :, None, :]
 
     def fields(self) -> dict[str, tuple[int, torch.dtype]]:
         return {"codes": (packed_row_bytes(self.dim, self.bits), torch.uint8),
@@ -74,51 +172,72 @@ class KVQuantCodec(RowCodec):
                 "outlier_values": (self.outliers, torch.float16), "outlier_index": (self.outliers, self.index_dtype)}
 
     def constants(self) -> list[Tensor]:
-        """The fixed tensors (codebook, channel mean and scale) the plan counts once per layer."""
-        return [t for t in (self.codebook, self.mean, self.scale) if t is not None]
-
-    def normalise(self, x: Tensor) -> Tensor:
-        x = x.float()
-        if self.mean is not None:
-            x = (x - self.mean.float().to(x.device)) / self.scale.float().to(x.device)
-        return x
+        """The fixed tensor (the codebook) the plan counts once per layer."""
+        return [self.codebook]
 
     def encode(self, x: Tensor) -> Fields:
-        x = self.normalise(x)
-        index, values, mask = split_outliers(x, self.outliers)
-        zero, scale = dense_range(x, mask)
-        step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-        u = ((x - zero.float()) / step).clamp_(0, 1)
+        x = x.float()
+        u, zero, scale, index, _ = value_dense(x, self.outliers)
         codes = nearest_code(u, self.codebook.float().to(x.device))
         return {"codes": pack_bits(codes, self.bits), "zero": zero, "scale": scale,
-                "outlier_values": values.to(torch.float16), "outlier_index": index.to(self.index_dtype)}
+                "outlier_values": x.gather(-1, index).to(torch.float16), "outlier_index": index.to(self.index_dtype)}
 
     def decode(self, fields: Fields, dtype: torch.dtype) -> Tensor:
         codes = unpack_bits(fields["codes"], self.bits, self.dim)
         x = self.codebook.float().to(codes.device)[codes] * fields["scale"].float() + fields["zero"].float()
         if self.outliers:
             x = x.scatter(-1, fields["outlier_index"].long(), fields["outlier_values"].float())
-        if self.mean is not None:
-            x = x * self.scale.float().to(x.device) + self.mean.float().to(x.device)
         return x.to(dtype)
 
 
 class KVQuantCache(GrowingKV, KVCache):
-    """Pre-RoPE KVQuant rows per layer, each layer with its own codecs; grows with the tokens held."""
+    """Pre-RoPE KVQuant rows per layer, each layer with its own codecs; grows with the tokens held.
 
-    def __init__(self, shape: KVShape, k_codecs: list[KVQuantCodec], v_codecs: list[KVQuantCodec], rope: Rope,
-                 compute_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+    A sequence's first `sink_tokens` tokens go to fp16 rows instead (KVQuant's attention-sink
+    handling: the first token draws much of every query's attention, so its error costs most).
+    """
+
+    def __init__(self, shape: KVShape, k_rows: list[KVQuantKeyRows], v_codecs: list[KVQuantValueCodec],
+                 rope: Rope, compute_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 sink_tokens: int = 0) -> None:
         super().__init__(shape, compute_dtype, pre_rope=True, rope=rope, device=device)
-        if len(k_codecs) != shape.num_layers or len(v_codecs) != shape.num_layers:
+        if len(k_rows) != shape.num_layers or len(v_codecs) != shape.num_layers:
             raise CacheError(f"KVQuant needs codecs for all {shape.num_layers} layers")
+        if sink_tokens < 0:
+            raise CacheError(f"sink_tokens must be non-negative, got {sink_tokens}")
         lead = (shape.batch, shape.kv_heads)
-        self.k_codecs, self.v_codecs = k_codecs, v_codecs
-        self.k_rows = [GrowingRows(codec, lead, self.device) for codec in k_codecs]
+        self.sink_tokens = sink_tokens
+        self.v_codecs = v_codecs
+        self.k_rows = k_rows
         self.v_rows = [GrowingRows(codec, lead, self.device) for codec in v_codecs]
+        sink_k, sink_v = FloatCodec(shape.k_head_dim, torch.float16), FloatCodec(shape.v_head_dim, torch.float16)
+        self.k_sink = [GrowingRows(sink_k, lead, self.device) for _ in k_rows]
+        self.v_sink = [GrowingRows(sink_v, lead, self.device) for _ in v_codecs]
+
+    def _store(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        sink = max(0, min(self.sink_tokens - start, k.shape[2]))
+        if sink:
+            self.k_sink[layer].append(k[:, :, :sink])
+            self.v_sink[layer].append(v[:, :, :sink])
+        if sink < k.shape[2]:
+            self.k_rows[layer].append(k[:, :, sink:])
+            self.v_rows[layer].append(v[:, :, sink:])
+
+    def _load(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        dtype = self.compute_dtype
+        keys = torch.cat([self.k_sink[layer].read(dtype), self.k_rows[layer].read(dtype)], dim=2)
+        values = torch.cat([self.v_sink[layer].read(dtype), self.v_rows[layer].read(dtype)], dim=2)
+        return keys, values
 
     def tensors(self) -> Iterator[Tensor]:
-        constants = chain.from_iterable(c.constants() for c in self.k_codecs + self.v_codecs)
-        return chain(super().tensors(), constants)
+        sinks = chain.from_iterable(rows.tensors() for rows in self.k_sink + self.v_sink)
+        constants = chain.from_iterable(c.constants() for c in self.k_rows + self.v_codecs)
+        return chain(super().tensors(), sinks, constants)
+
+    def _clear(self) -> None:
+        super()._clear()
+        for rows in self.k_sink + self.v_sink:
+            rows.clear()
 
 
 def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens: int,
@@ -131,11 +250,16 @@ def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens:
     cal = calibration
     if bits not in cal.bits:
         raise CacheError(f"the calibration has codebooks for {sorted(cal.bits)} bits, not {bits}")
-    k_codecs = [KVQuantCodec(cal.head_dim, bits, fmt.outlier_percent, layer.k_codebooks[bits], layer.k_mean,
-                             layer.k_scale) for layer in cal.layers]
-    v_codecs = [KVQuantCodec(cal.head_dim, bits, fmt.outlier_percent, layer.v_codebooks[bits])
+    fitted = cal.meta.get("outlier_percent", fmt.outlier_percent)
+    if fitted != fmt.outlier_percent:
+        raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {kv_cache_dtype} keeps "
+                         f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+    place = torch.device(device) if device is not None else torch.device("cpu")
+    k_rows = [KVQuantKeyRows(cal.head_dim, bits, fmt.outlier_percent, layer.k_codebooks[bits], layer.k_zero,
+                             layer.k_range, (batch, cal.kv_heads), place) for layer in cal.layers]
+    v_codecs = [KVQuantValueCodec(cal.head_dim, bits, fmt.outlier_percent, layer.v_codebooks[bits])
                 for layer in cal.layers]
     shape = KVShape(len(cal.layers), batch, cal.kv_heads, cal.head_dim, cal.head_dim, max_tokens)
-    cache = KVQuantCache(shape, k_codecs, v_codecs, rope, compute_dtype, device)
+    cache = KVQuantCache(shape, k_rows, v_codecs, rope, compute_dtype, device, fmt.sink_tokens)
     cache.kv_format = fmt
     return cache

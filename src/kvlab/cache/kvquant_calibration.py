@@ -1,12 +1,15 @@
-"""KVQuant's offline calibration: per-layer codebooks and key channel statistics, fitted and stored.
+"""KVQuant's offline calibration: per-layer codebooks and key channel ranges, fitted and stored.
 
 `fit_layer` turns one layer's calibration activations (pre-RoPE keys and values, [H, N, D],
-optionally with Fisher weights: the squared gradients of the loss) into what the cache needs.
-Codebooks are fitted by weighted 1-D k-means on the dense part of each row after the same
-normalisation the codec applies (kvquant.py), so centroids sit where normalised values are
-dense, or, sensitivity-weighted, where errors cost the loss most. A weight w on value x maps
-to w * (row scale * channel scale)^2 on its normalised value u, since an error e in u is an
-error of that many times e in x.
+optionally with Fisher weights: the squared gradients of the loss) into what the cache needs:
+- each key channel's range: the centre and half-width of its values between the
+  outlier_percent/2 and 100 - outlier_percent/2 percentiles (KVQuant's offline per-channel
+  outlier thresholds), so the rare values beyond them are the sparse part, not the range;
+- per side a codebook, by weighted 1-D k-means on the dense part of each row after exactly the
+  normalisation the codec applies (kvquant.py), so centroids sit where normalised values are
+  dense, or, sensitivity-weighted, where errors cost the loss most. A weight w on value x maps
+  to w * s^2 on its normalised value u (s: the key channel's range, or the value row's scale),
+  since an error e in u is an error of s * e in x.
 
 Stored as one safetensors file (tensors plus the shape and provenance in its metadata).
 """
@@ -23,20 +26,22 @@ import torch
 from torch import Tensor
 
 from kvlab.cache.base import CacheError
-from kvlab.cache.kvquant import dense_range, split_outliers
+from kvlab.cache.kvquant import value_dense
 from kvlab.plan.kv_formats import DEFAULT_OUTLIER_PERCENT, outliers_per_row
 
 BITS = (3, 4)
 KMEANS_ITERATIONS = 40
-MIN_SCALE = 1e-4  # a channel that never moves keeps scale 1e-4, not 0 (no division by zero)
+MIN_RANGE = 1e-4  # a channel that never moves keeps range 1e-4, not 0 (no division by zero)
+FORMAT = "kvlab-kvquant-calibration"
+VERSION = "2"  # 2: per-channel key zero/range from percentiles, key codebooks in [-1, 1], no key row scale
 
 
 @dataclass
 class LayerCalibration:
-    k_mean: Tensor  # [H, D] fp16
-    k_scale: Tensor  # [H, D] fp16
-    k_codebooks: dict[int, Tensor]  # bits -> [2**bits] in [0, 1]
-    v_codebooks: dict[int, Tensor]
+    k_zero: Tensor  # [H, D] fp16: each key channel's centre
+    k_range: Tensor  # [H, D] fp16: ... and half-width
+    k_codebooks: dict[int, Tensor]  # bits -> [2**bits] in [-1, 1]
+    v_codebooks: dict[int, Tensor]  # bits -> [2**bits] in [0, 1]
 
 
 @dataclass
@@ -71,34 +76,46 @@ def weighted_kmeans_1d(u: Tensor, weights: Optional[Tensor], centroids: int,
     return c.float()
 
 
-def normalised_dense(x: Tensor, weights: Optional[Tensor], outlier_percent: int,
-                     channel_scale: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-    """The codec's [0, 1] values of the dense part of rows x [..., D], and their weights in that space."""
-    _, _, mask = split_outliers(x, outliers_per_row(x.shape[-1], outlier_percent))
-    zero, scale = dense_range(x, mask)
-    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
-    u = ((x - zero.float()) / step).clamp(0, 1)
+def channel_range(k: Tensor, outlier_percent: int) -> tuple[Tensor, Tensor]:
+    """fp16 zero and range [H, D] of keys [H, N, D]: the centre and half-width of each channel's
+    values between its outlier_percent/2 and 100 - outlier_percent/2 percentiles."""
+    heads, tokens, dim = k.shape
+    flat = k.transpose(1, 2).reshape(heads * dim, tokens)
+    tail = outlier_percent / 200
+    lo, hi = (torch.quantile(flat, q, dim=1).reshape(heads, dim) for q in (tail, 1 - tail))
+    zero, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(MIN_RANGE)
+    return zero.to(torch.float16), half.to(torch.float16)
+
+
+def key_samples(k: Tensor, weights: Optional[Tensor], zero: Tensor,
+                range_: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """The key codec's codebook inputs: keys [H, N, D] normalised per channel, inside [-1, 1]
+    (those outside are the sparse part), and their weights."""
+    u = (k - zero.float()[:, None]) / range_.float()[:, None]
+    keep = u.abs() <= 1
+    if weights is None:
+        return u[keep], None
+    return u[keep], (weights * range_.float()[:, None] ** 2)[keep]
+
+
+def value_samples(v: Tensor, weights: Optional[Tensor], outlier_percent: int) -> tuple[Tensor, Optional[Tensor]]:
+    """The value codec's [0, 1] codebook inputs over the dense part of rows v [..., D], and their weights."""
+    u, _, scale, _, mask = value_dense(v, outliers_per_row(v.shape[-1], outlier_percent))
     keep = ~mask
     if weights is None:
         return u[keep], None
-    w = weights * step ** 2
-    if channel_scale is not None:
-        w = w * channel_scale ** 2
-    return u[keep], w[keep]
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    return u[keep], (weights * step ** 2)[keep]
 
 
 def fit_layer(k: Tensor, v: Tensor, k_weights: Optional[Tensor] = None, v_weights: Optional[Tensor] = None,
               bits: tuple[int, ...] = BITS, outlier_percent: int = DEFAULT_OUTLIER_PERCENT) -> LayerCalibration:
     """One layer's calibration from pre-RoPE keys and values [H, N, D] (and Fisher weights, same shape)."""
     k, v = k.float(), v.float()
-    mean = k.mean(dim=1)
-    scale = (k - mean[:, None]).abs().amax(dim=1).clamp_min(MIN_SCALE)
-    mean16, scale16 = mean.to(torch.float16), scale.to(torch.float16)
-    kn = (k - mean16.float()[:, None]) / scale16.float()[:, None]  # exactly what the codec will see
-    channel = scale16.float()[:, None].expand_as(k)
-    ku, kw = normalised_dense(kn, k_weights, outlier_percent, channel)
-    vu, vw = normalised_dense(v, v_weights, outlier_percent)
-    return LayerCalibration(mean16, scale16, {b: weighted_kmeans_1d(ku, kw, 1 << b) for b in bits},
+    zero, range_ = channel_range(k, outlier_percent)
+    ku, kw = key_samples(k, k_weights, zero, range_)
+    vu, vw = value_samples(v, v_weights, outlier_percent)
+    return LayerCalibration(zero, range_, {b: weighted_kmeans_1d(ku, kw, 1 << b) for b in bits},
                             {b: weighted_kmeans_1d(vu, vw, 1 << b) for b in bits})
 
 
@@ -108,12 +125,12 @@ def save_calibration(calibration: KVQuantCalibration, path: Path) -> None:
 
     tensors = {}
     for i, layer in enumerate(calibration.layers):
-        tensors[f"layers.{i}.k_mean"] = layer.k_mean.contiguous()
-        tensors[f"layers.{i}.k_scale"] = layer.k_scale.contiguous()
+        tensors[f"layers.{i}.k_zero"] = layer.k_zero.contiguous()
+        tensors[f"layers.{i}.k_range"] = layer.k_range.contiguous()
         for b in layer.k_codebooks:
             tensors[f"layers.{i}.k_codebook{b}"] = layer.k_codebooks[b].contiguous()
             tensors[f"layers.{i}.v_codebook{b}"] = layer.v_codebooks[b].contiguous()
-    meta = {"format": "kvlab-kvquant-calibration", "kv_heads": str(calibration.kv_heads),
+    meta = {"format": FORMAT, "version": VERSION, "kv_heads": str(calibration.kv_heads),
             "head_dim": str(calibration.head_dim), "layers": str(len(calibration.layers)),
             "bits": ",".join(str(b) for b in sorted(calibration.bits)), "info": json.dumps(calibration.meta)}
     path = Path(path)
@@ -140,10 +157,13 @@ def load_calibration(path: Path, config=None) -> KVQuantCalibration:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
     except Exception as error:  # safetensors raises its own error types for a corrupt file
         raise CacheError(f"{path} is not a KVQuant calibration ({error})") from None
-    if meta.get("format") != "kvlab-kvquant-calibration":
+    if meta.get("format") != FORMAT:
         raise CacheError(f"{path} is not a KVQuant calibration written by kvlab calibrate-kv")
+    if meta.get("version") != VERSION:
+        raise CacheError(f"{path} is an older KVQuant calibration (format {meta.get('version', '1')}, this kvlab "
+                         f"reads {VERSION}): run `kvlab calibrate-kv MODEL --data FILE` again")
     bits = [int(b) for b in meta["bits"].split(",")]
-    layers = [LayerCalibration(tensors[f"layers.{i}.k_mean"], tensors[f"layers.{i}.k_scale"],
+    layers = [LayerCalibration(tensors[f"layers.{i}.k_zero"], tensors[f"layers.{i}.k_range"],
                                {b: tensors[f"layers.{i}.k_codebook{b}"] for b in bits},
                                {b: tensors[f"layers.{i}.v_codebook{b}"] for b in bits})
               for i in range(int(meta["layers"]))]

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kvlab.cache.kvquant_calibration import BITS, KVQuantCalibration, fit_layer
 from kvlab.evals.setting import EvalError
-from kvlab.plan.kv_formats import DEFAULT_OUTLIER_PERCENT
+from kvlab.plan.kv_formats import DEFAULT_OUTLIER_PERCENT, DEFAULT_SINK_TOKENS
 
 
 class CaptureCache:
@@ -83,14 +83,26 @@ def collect(model, windows: list[list[int]], sensitivity: bool,
              torch.cat(vgs[i], 1) if sensitivity else None) for i in range(layers)]
 
 
+def without_sinks(x: Optional[Tensor], window: int, sink_tokens: int) -> Optional[Tensor]:
+    """Activations [H, N, D] of consecutive windows of `window` tokens less each window's first
+    `sink_tokens` (the cache keeps those in fp16, so they must not shape the ranges or codebooks)."""
+    if x is None or sink_tokens == 0:
+        return x
+    keep = torch.arange(x.shape[1], device=x.device) % window >= sink_tokens
+    return x[:, keep]
+
+
 def calibrate(model, ids: list[int], context: int = 512, windows: int = 4, sensitivity: bool = True,
               outlier_percent: int = DEFAULT_OUTLIER_PERCENT, bits: tuple[int, ...] = BITS,
-              on_window: Callable[[], None] = lambda: None, meta: Optional[dict] = None) -> KVQuantCalibration:
-    """Fit every layer's codebooks (for each of `bits`) and key channel statistics."""
+              on_window: Callable[[], None] = lambda: None, meta: Optional[dict] = None,
+              sink_tokens: int = DEFAULT_SINK_TOKENS) -> KVQuantCalibration:
+    """Fit every layer's codebooks (for each of `bits`) and key channel ranges."""
     samples = collect(model.eval(), calibration_windows(ids, context, windows), sensitivity, on_window)
-    layers = [fit_layer(k, v, kw, vw, bits, outlier_percent) for k, v, kw, vw in samples]
+    fed = context - 1  # each window feeds all but its last token (the last is only a target)
+    layers = [fit_layer(*(without_sinks(x, fed, sink_tokens) for x in sample), bits, outlier_percent)
+              for sample in samples]
     info = {"context": context, "windows": windows, "sensitivity_weighted": sensitivity,
-            "outlier_percent": outlier_percent, **(meta or {})}
+            "outlier_percent": outlier_percent, "sink_tokens": sink_tokens, **(meta or {})}
     return KVQuantCalibration(model.config.kv_heads, model.config.head_size, layers, info)
 
 

@@ -17,13 +17,21 @@ Conventions (chosen to match what the caches really hold):
   max(0, (T - R) // G) * G quantised tokens and the rest (between R and R + G - 1 once
   T >= R) in the residual, stored in the model's dtype. R must be a multiple of G.
 - KVQuant formats (kvquant3/kvquant4, Hooper et al., 2024) store each token's head vector as
-  `bits`-bit indices into a per-layer non-uniform codebook (packed: ceil(dim * bits / 8) bytes),
-  an fp16 scale and zero point per row, and its `ceil(dim * outlier_percent / 100)` largest
-  values in fp16 with their channel indices (one byte each up to 256 channels, else two): the
-  dense-and-sparse split. Per layer and side the cache also holds a fixed `fixed_bytes`: the
-  fp16 codebook of 2**bits centroids, and for keys an fp16 per-channel mean and scale for each
-  head (the offline per-channel normalisation of pre-RoPE keys). Fixed bytes are per model,
-  not per sequence: a pool pays them once.
+  `bits`-bit indices into a per-layer non-uniform codebook (packed: ceil(dim * bits / 8) bytes)
+  plus a sparse part of outliers kept in fp16 with their channel indices (one byte each up to
+  256 channels, else two). Keys are normalised per channel by an offline range (KVQuant's
+  pre-RoPE per-channel keys), so a key row holds no scale; its outliers are the values outside
+  that range, as many in a token as it has (KVQuant's per-channel outlier thresholds), so they
+  are stored as compressed sparse rows: a count per row (one byte, two past 255 channels) and
+  a pool per head of `outlier_capacity(n, dim, percent)` = floor(n * dim * percent / 100)
+  (value, channel) slots for n rows; a token may use the slots earlier tokens left free, and
+  once the pool is full the least-out-of-range values are clipped instead. Values are
+  normalised per token, so a value row adds an fp16 scale and zero point and keeps its
+  `ceil(dim * percent / 100)` largest values as outliers (KVQuant's per-token outliers).
+  The first `sink_tokens` tokens of a sequence (the attention sink) are kept whole in fp16.
+  Per layer and side the cache also holds a fixed `fixed_bytes`: the fp16 codebook of 2**bits
+  centroids, and for keys an fp16 per-channel zero and range for each head. Fixed bytes are
+  per model, not per sequence: a pool pays them once.
 """
 
 from __future__ import annotations
@@ -43,8 +51,10 @@ DEFAULT_GROUP_SIZE = 64  # transformers' QuantizedCache q_group_size
 DEFAULT_KIVI_GROUP = 32  # KIVI paper
 DEFAULT_KIVI_RESIDUAL = 128  # KIVI paper
 DEFAULT_OUTLIER_PERCENT = 1  # KVQuant's dense-and-sparse split keeps 1% of values in fp16
+DEFAULT_SINK_TOKENS = 1  # KVQuant keeps the first token (the attention sink) in fp16
+SINK_BYTES = 2  # fp16 per value of a sink token
 CODEBOOK_BYTES = 2  # fp16 per centroid
-CHANNEL_STAT_BYTES = 2  # fp16 per-channel mean and scale of pre-RoPE keys
+CHANNEL_STAT_BYTES = 2  # fp16 per-channel zero and range of pre-RoPE keys
 
 _FLOAT_BYTES = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -72,6 +82,7 @@ class KVFormat:
     residual: int = 0
     residual_bytes: int = 2  # bytes per full-precision element (KIVI residual)
     outlier_percent: int = 0  # KVQuant: percent of each row's values kept in fp16 with their indices
+    sink_tokens: int = 0  # KVQuant: a sequence's first tokens, kept whole in fp16
 
     @property
     def is_quantised(self) -> bool:
@@ -88,7 +99,13 @@ class KVFormat:
             return tokens * heads * dim * self.bits // 8
         codes_per_row = packed_row_bytes(dim, self.bits)
         if self.scheme == KVQUANT:
-            return tokens * heads * kvquant_row_bytes(dim, self.bits, self.outlier_percent)
+            sink = min(tokens, self.sink_tokens)
+            rows = tokens - sink
+            total = sink * heads * dim * SINK_BYTES + rows * heads * kvquant_row_bytes(dim, self.bits,
+                                                                                        self.outlier_percent, role)
+            if role == "k":
+                total += heads * outlier_capacity(rows, dim, self.outlier_percent) * outlier_bytes(dim)
+            return total
         if self.scheme == GROUP:
             return tokens * heads * (codes_per_row + groups_per_row(dim, self.group_size) * (SCALE_BYTES + ZERO_BYTES))
         quantised = kivi_quantised_tokens(tokens, self.group_size, self.residual)
@@ -108,7 +125,12 @@ class KVFormat:
         return (1 << self.bits) * CODEBOOK_BYTES + stats
 
     def bytes_per_token(self, role: str, heads: int, dim: int) -> float:
-        """Marginal bytes per token far from the residual window (exact for float and group)."""
+        """Marginal bytes per token far from the residual window and past KVQuant's sink tokens."""
+        if self.scheme == KVQUANT:
+            row = kvquant_row_bytes(dim, self.bits, self.outlier_percent, role)
+            pool = dim * self.outlier_percent * outlier_bytes(dim) / 100 if role == "k" else 0
+            per_token = heads * (row + pool)
+            return int(per_token) if float(per_token).is_integer() else per_token
         if self.scheme != KIVI:
             return self.bytes(role, heads, dim, 1)
         codes = heads * packed_row_bytes(dim, self.bits)
@@ -132,10 +154,31 @@ def outlier_index_bytes(dim: int) -> int:
     return 1 if dim <= 256 else 2
 
 
-def kvquant_row_bytes(dim: int, bits: int, outlier_percent: int) -> int:
-    """One KVQuant row: packed codebook indices, fp16 scale and zero, fp16 outliers and their indices."""
-    sparse = outliers_per_row(dim, outlier_percent) * (2 + outlier_index_bytes(dim))
-    return packed_row_bytes(dim, bits) + SCALE_BYTES + ZERO_BYTES + sparse
+def outlier_bytes(dim: int) -> int:
+    """One sparse outlier: its fp16 value and its channel index."""
+    return 2 + outlier_index_bytes(dim)
+
+
+def outlier_count_bytes(dim: int) -> int:
+    """A key row's outlier count (compressed sparse rows): uint8 below 256 channels, else int16."""
+    return 1 if dim < 256 else 2
+
+
+def outlier_capacity(rows: int, dim: int, outlier_percent: int) -> int:
+    """Outlier slots a KVQuant key pool holds for `rows` rows of one head: floor(rows * dim * percent / 100)."""
+    return rows * dim * outlier_percent // 100
+
+
+def kvquant_row_bytes(dim: int, bits: int, outlier_percent: int, role: str) -> int:
+    """One KVQuant row's own bytes: packed codebook indices, then for a value row (normalised per
+    token) its fp16 scale and zero and its ceil(dim * percent / 100) outliers, for a key row its
+    outlier count (its outliers sit in the head's pool, counted by `outlier_capacity`)."""
+    if role not in ("k", "v"):
+        raise PlanError(f"role must be 'k' or 'v', got {role!r}")
+    if role == "k":
+        return packed_row_bytes(dim, bits) + outlier_count_bytes(dim)
+    return packed_row_bytes(dim, bits) + SCALE_BYTES + ZERO_BYTES + outliers_per_row(dim, outlier_percent) * \
+        outlier_bytes(dim)
 
 
 def groups_per_row(dim: int, group_size: int) -> int:
@@ -174,7 +217,8 @@ def resolve_kv_format(
         return KVFormat(key, KIVI, _KIVI_BITS[key], group_size=size, residual=window,
                         residual_bytes=_FLOAT_BYTES[model_dtype])
     if key in _KVQUANT_BITS:
-        return KVFormat(key, KVQUANT, _KVQUANT_BITS[key], outlier_percent=DEFAULT_OUTLIER_PERCENT)
+        return KVFormat(key, KVQUANT, _KVQUANT_BITS[key], outlier_percent=DEFAULT_OUTLIER_PERCENT,
+                        sink_tokens=DEFAULT_SINK_TOKENS)
     raise PlanError(f"unknown KV cache dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
 
 
