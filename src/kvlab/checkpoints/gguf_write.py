@@ -64,7 +64,7 @@ def write_gguf(model: Decoder, path: str, tokenizer_metadata: Optional[dict[str,
         writer.add_rope_freq_base_swa(config.rope_local_base or config.rope_base)
     for key, value in (tokenizer_metadata or {}).items():
         _add_value(writer, key, value)
-    for name, tensor in (_gemma3_tensors(model) if gemma else _tensors(model)):
+    for name, tensor in _tensors(model, gemma):
         writer.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -72,8 +72,9 @@ def write_gguf(model: Decoder, path: str, tokenizer_metadata: Optional[dict[str,
     writer.close()
 
 
-def _tensors(model: Decoder):
-    """(llama.cpp tensor name, fp32 tensor [rows, cols]) in llama.cpp's order."""
+def _tensors(model: Decoder, gemma: bool = False):
+    """(llama.cpp tensor name, fp32 tensor [rows, cols]) in llama.cpp's order. Llama's Q/K rows are
+    permuted for llama.cpp's RoPE; Gemma 3's stay as they are and bring its q/k and post norms."""
     c = model.config
     q, kv = c.n_heads * c.head_size, c.kv_heads * c.head_size
     yield "token_embd.weight", model.embed.weight
@@ -84,9 +85,12 @@ def _tensors(model: Decoder):
         wq, wk, wv = block.attn.qkv.weight.split((q, kv, kv))
         gate, up = block.mlp.gate_up.weight.split(c.ffn_size)
         yield f"blk.{i}.attn_norm.weight", block.attn_norm.weight
-        yield f"blk.{i}.attn_q.weight", permute_rope_rows(wq, c.n_heads)
-        yield f"blk.{i}.attn_k.weight", permute_rope_rows(wk, c.kv_heads)
+        yield f"blk.{i}.attn_q.weight", wq if gemma else permute_rope_rows(wq, c.n_heads)
+        yield f"blk.{i}.attn_k.weight", wk if gemma else permute_rope_rows(wk, c.kv_heads)
         yield f"blk.{i}.attn_v.weight", wv
+        if gemma:
+            for ours, theirs in {**GEMMA_QK_NORMS, **GEMMA_POST_NORMS}.items():
+                yield f"blk.{i}.{theirs}.weight", block.get_submodule(ours).weight
         yield f"blk.{i}.attn_output.weight", block.attn.o.weight
         yield f"blk.{i}.ffn_norm.weight", block.mlp_norm.weight
         yield f"blk.{i}.ffn_gate.weight", gate
@@ -109,30 +113,6 @@ def check_gemma3_for_llama_cpp(config: ModelConfig) -> None:
                         f"this model uses {local:g}")
     if config.query_scale not in (None, config.head_size ** -0.5):
         raise PlanError("--gguf: llama.cpp's gemma3 scales queries by head_dim ** -0.5; this model does not")
-
-
-def _gemma3_tensors(model: Decoder):
-    """(llama.cpp tensor name, fp32 tensor) of a Gemma 3 model: rows as they are, norms as multipliers."""
-    c = model.config
-    q, kv = c.n_heads * c.head_size, c.kv_heads * c.head_size
-    yield "token_embd.weight", model.embed.weight
-    yield "output_norm.weight", model.norm.weight
-    if not c.tie_embeddings:
-        yield "output.weight", model.lm_head.weight
-    for i, block in enumerate(model.blocks):
-        wq, wk, wv = block.attn.qkv.weight.split((q, kv, kv))
-        gate, up = block.mlp.gate_up.weight.split(c.ffn_size)
-        yield f"blk.{i}.attn_norm.weight", block.attn_norm.weight
-        yield f"blk.{i}.attn_q.weight", wq
-        yield f"blk.{i}.attn_k.weight", wk
-        yield f"blk.{i}.attn_v.weight", wv
-        for ours, theirs in {**GEMMA_QK_NORMS, **GEMMA_POST_NORMS}.items():
-            yield f"blk.{i}.{theirs}.weight", block.get_submodule(ours).weight
-        yield f"blk.{i}.attn_output.weight", block.attn.o.weight
-        yield f"blk.{i}.ffn_norm.weight", block.mlp_norm.weight
-        yield f"blk.{i}.ffn_gate.weight", gate
-        yield f"blk.{i}.ffn_up.weight", up
-        yield f"blk.{i}.ffn_down.weight", block.mlp.down.weight
 
 
 def _add_value(writer: Any, key: str, value: Any) -> None:

@@ -21,8 +21,8 @@ import torch
 
 from kvlab.checkpoints.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
                                            from_deepseek_state, is_deepseek_family, to_deepseek_state)
-from kvlab.checkpoints.hf_gemma import (MODEL_TYPE as GEMMA3, from_gemma3_state, gemma3_config_json,
-                                        gemma3_model_config, is_gemma3_family, to_gemma3_state)
+from kvlab.checkpoints.hf_gemma import (MODEL_TYPE as GEMMA3, from_gemma3_state, fused_projections,
+                                        gemma3_config_json, gemma3_model_config, is_gemma3_family, to_gemma3_state)
 from kvlab.checkpoints.hf_rope import norm_eps_and_rope_base
 from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.nn.config import ModelConfig
@@ -113,10 +113,7 @@ def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
         ours["lm_head.weight"] = get("lm_head.weight")
     for i in range(config.n_layers):
         p, b = f"model.layers.{i}.", f"blocks.{i}."
-        ours[b + "attn.qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        ours[b + "attn.o.weight"] = get(p + "self_attn.o_proj.weight")
-        ours[b + "mlp.gate_up.weight"] = torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")))
-        ours[b + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
+        ours.update(fused_projections(get, i))
         ours[b + "attn_norm.weight"] = get(p + "input_layernorm.weight")
         ours[b + "mlp_norm.weight"] = get(p + "post_attention_layernorm.weight")
     return ours

@@ -153,13 +153,20 @@ def from_gemma3_state(config: ModelConfig, get: Callable[[str], torch.Tensor]) -
         ours["lm_head.weight"] = get("lm_head.weight")
     for i in range(config.n_layers):
         p, b = f"model.layers.{i}.", f"blocks.{i}."
-        ours[b + "attn.qkv.weight"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        ours[b + "attn.o.weight"] = get(p + "self_attn.o_proj.weight")
-        ours[b + "mlp.gate_up.weight"] = torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")))
-        ours[b + "mlp.down.weight"] = get(p + "mlp.down_proj.weight")
+        ours.update(fused_projections(get, i))
         for mine, theirs in BLOCK_NORMS.items():
             ours[b + mine + ".weight"] = _plus_one(get(p + theirs + ".weight"))
     return ours
+
+
+def fused_projections(get: Callable[[str], torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s attention and MLP matrices from transformers' Llama-layout names (Llama and
+    Gemma 3 share them) under kvlab's fused names: q, k, v stacked; gate, up stacked."""
+    p, b = f"model.layers.{layer}.", f"blocks.{layer}."
+    return {b + "attn.qkv.weight": torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+            b + "attn.o.weight": get(p + "self_attn.o_proj.weight"),
+            b + "mlp.gate_up.weight": torch.cat((get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))),
+            b + "mlp.down.weight": get(p + "mlp.down_proj.weight")}
 
 
 def _minus_one(multiplier: torch.Tensor) -> torch.Tensor:
