@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.nn.ggml import GROUP, PREFILL_ROWS, GGMLLinear, PackedPlanes, Planes, stack_planes
+from kvlab.nn.ggml import GROUP, GGMLLinear, PackedPlanes, Planes, kernels, stack_planes
 
 from needs import require_kernels
 
@@ -34,11 +34,31 @@ def test_weights_decode_exactly_and_products_match(kind):
     layer = GGMLLinear(planes)
     dense = planes.dense()
     assert torch.equal(layer.weight, dense)  # the C dequantiser, exactly
-    for rows in (1, 3, 4, 9, PREFILL_ROWS):  # integer products (row by row, 4-row tiles), then the float GEMM
+    for rows in (1, 3, 4, 9, 70):  # row by row, then the interleaved kernel (tiles of 4, chunks of 64)
         x = torch.randn(rows, 160)
         expected = x @ dense.t()
         error = (layer(x) - expected).norm() / expected.norm()
-        assert error < (1e-5 if rows >= PREFILL_ROWS else 2e-4)  # int16 activations: 2e-5 to 6e-5 here
+        assert error < 2e-4  # int16 activations: 2e-5 to 6e-5 here
+
+
+def _row_major_product(layer: GGMLLinear, x: torch.Tensor) -> torch.Tensor:
+    """ggml_linear without the interleaved copy: ggml_gemv.c's row-at-a-time kernel at any row count."""
+    y = torch.empty(x.shape[0], layer.out_features)
+    assert kernels().ggml_linear(*layer.planes(), None, None, None, layer.out_features, layer.in_features,
+                                 x.shape[0], x.data_ptr(), y.data_ptr()) == 0
+    return y
+
+
+@pytest.mark.parametrize("kind", sorted(GROUP))
+@pytest.mark.parametrize("out_features", [96, 101])  # a whole last group of eight outputs, and a part of one
+def test_the_interleaved_kernel_equals_the_row_major_one(kind, out_features):
+    """Both are exact integer dot products per block, scaled in fp32: they differ only in the order
+    of float additions. Any slip in the interleaving (a lane, a pair, a nibble, a q6_k half, the
+    tail group, a tail tile or a second chunk of rows) is off by a whole weight."""
+    layer = GGMLLinear(random_planes(kind, out_features, 160, np.random.default_rng(5)))
+    for rows in (4, 5, 6, 7, 16, 67):
+        x = torch.randn(rows, 160)
+        torch.testing.assert_close(layer(x), _row_major_product(layer, x), rtol=1e-5, atol=1e-5)
 
 
 def test_stacked_planes_compute_as_their_parts():

@@ -57,3 +57,33 @@ def test_several_tokens_per_sequence_equal_the_module_path(config, num_layers):
         assert_close_to_scale(ours.k[layer]["x"], reference.k[layer]["x"])
     if num_layers:  # layers past the cut are untouched
         torch.testing.assert_close(ours.k[num_layers]["x"], reference.k[num_layers]["x"], rtol=0, atol=0)
+
+
+def test_prompts_fed_as_rows_give_the_module_paths_logits_for_the_rows_asked():
+    """A prompt from position 0, a prompt's second chunk and a decode in one call, with scores for the
+    last row of each prompt piece and the decode row only (the engine's mixed step)."""
+    model = ggml_model(GQA)
+    (ours, reference), tables = prefilled(model, [1, 6, 5])
+    starts, feed_lens = [0, 6, 5], [9, 5, 1]  # sequence 0's prompt is fed anew from 0 (the pools' row is overwritten)
+    feeds = [torch.randint(0, GQA.vocab_size, (n,), generator=torch.Generator().manual_seed(3 + i)).tolist()
+             for i, n in enumerate(feed_lens)]
+    wanted = [8, 13, 14]
+    got = PagedDecodeStep(model, ours, max_rows=4).feeds(feeds, starts, tables, logit_rows=wanted)
+    batch = StepBatch.build(starts, feed_lens, tables, BLOCK)
+    with torch.inference_mode():
+        want = model(torch.tensor([[t for f in feeds for t in f]]), reference, step=batch,
+                     rows=torch.tensor(wanted))[0]
+    assert got.shape == want.shape == (3, GQA.vocab_size)
+    assert_close_to_scale(got, want)
+    for layer in range(GQA.n_layers):
+        assert_close_to_scale(ours.k[layer]["x"], reference.k[layer]["x"])
+        assert_close_to_scale(ours.v[layer]["x"], reference.v[layer]["x"])
+
+
+def test_logit_rows_must_be_ascending_rows_of_the_step():
+    model = ggml_model(GQA)
+    (ours, _), tables = prefilled(model, [3])
+    step = PagedDecodeStep(model, ours, max_rows=4)
+    for bad in ([1, 0], [0, 2], [4], [-1]):
+        with pytest.raises(ValueError, match="outside"):
+            step.feeds([[1, 2]], [3], tables, logit_rows=bad)

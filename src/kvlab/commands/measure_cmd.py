@@ -39,12 +39,15 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
 
 
 def weight_bytes_read(model) -> int:
-    """Bytes a decode step streams: every parameter and buffer but the RoPE tables and the
-    embedding table, of which a step reads one row (a tied LM head still counts, via lm_head)."""
+    """Bytes a batch-1 decode step streams: every parameter and saved buffer but the RoPE tables
+    and the embedding table, of which a step reads one row (a tied LM head still counts, via
+    lm_head). Unsaved buffers are derived copies a batch-1 step does not read (GGMLLinear's
+    interleaved weights, for several rows at once)."""
     skip = {id(model.rope.cos), id(model.rope.sin)}
     modules = [module for name, module in model.named_modules() if name != "embed"]
     tensors = {id(t): t for module in modules
-               for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))}
+               for t in list(module.parameters(recurse=False)) +
+               [b for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set]}
     return sum(t.nbytes for key, t in tensors.items() if key not in skip)
 
 

@@ -41,6 +41,11 @@ from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
+# Up to this context, a step that reads prompt tokens runs them in the C step as rows of their own (every
+# decode row of the step with them). Each row there attends alone over its whole context, while the module
+# path's SDPA shares each key block among a tile of queries: past a few thousand tokens a prompt's rows cost
+# more in attention than in the weights.
+C_PROMPT_CONTEXT = 2048
 
 
 class ModelRunner:
@@ -89,16 +94,16 @@ class ModelRunner:
         if self.paged_step is not None and batch.is_decode:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
-        elif self.paged_step is not None and all(decoding):  # verification: a row per fed token, in C
-            logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                           [seq.block_table for seq in seqs])
-            rows = [list(range(int(end) - n, int(end))) for end, n in zip(ends, lens)]
-        else:
+        else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
             picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
                      zip(ends, lens, drafts)]
             flat = [r for rs in picks for r in rs]
-            logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
-                                rows=torch.tensor(flat))[0]
+            if self.paged_step is not None and max(batch.context_lens) <= C_PROMPT_CONTEXT:  # a row per token, in C
+                logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
+                                               [seq.block_table for seq in seqs], logit_rows=flat)
+            else:
+                logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
+                                    rows=torch.tensor(flat))[0]
             rows, at = [], 0
             for rs in picks:
                 rows.append(list(range(at, at + len(rs))))

@@ -29,8 +29,10 @@ CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 
 
 
 class QMatrix(ctypes.Structure):
-    """ggml_gemv.h's qmatrix: one matrix as planes (kind, shape, codes, scales, offsets)."""
-    _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr)]
+    """ggml_gemv.h's qmatrix: one matrix as planes (kind, shape, codes, scales, offsets), and the
+    same weights interleaved eight output rows at a time (codes8, d8, m8; NULL where absent)."""
+    _fields_ = [("kind", _int), ("n", _int), ("k", _int), ("codes", _ptr), ("d", _ptr), ("m", _ptr),
+                ("codes8", _ptr), ("d8", _ptr), ("m8", _ptr)]
 
 
 class QStack(ctypes.Structure):

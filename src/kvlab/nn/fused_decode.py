@@ -36,7 +36,7 @@ CACHE_DTYPES = {dtype: C_CACHE_DTYPES[dtype] for dtype in (torch.float32, torch.
 
 def _qmatrix(layer: GGMLLinear) -> QMatrix:
     kind, codes, scales, offsets = layer.planes()
-    return QMatrix(kind, layer.out_features, layer.in_features, codes, scales, offsets)
+    return QMatrix(kind, layer.out_features, layer.in_features, codes, scales, offsets, *layer.interleaved())
 
 
 def _qstack(layer: nn.Module) -> QStack:

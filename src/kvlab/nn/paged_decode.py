@@ -129,27 +129,40 @@ class PagedDecodeStep:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
         return self.rows(ids.reshape(rows), batch.positions, batch.block_tables)
 
-    def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list[list[int]]) -> torch.Tensor:
-        """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order.
+    def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list[list[int]],
+              logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+        """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order,
+        or only for the packed rows `logit_rows` (ascending) when given: [len(logit_rows), V].
 
-        Each token is a row of its own (see the module doc); blocks must already cover every position.
+        Each token is a row of its own (see the module doc), so a prompt's chunk runs here too;
+        blocks must already cover every position.
         """
-        ids = [t for feed in feeds for t in feed]
-        positions = [start + i for feed, start in zip(feeds, starts) for i in range(len(feed))]
-        tables = [table for feed, table in zip(feeds, block_tables) for _ in feed]
-        return self.rows(torch.tensor(ids), torch.tensor(positions), tables)
+        lengths = torch.tensor([len(feed) for feed in feeds])
+        ids = torch.tensor([t for feed in feeds for t in feed])
+        first = torch.tensor(starts).repeat_interleave(lengths)
+        offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
+        widest = max(len(table) for table in block_tables)
+        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
+        return self._run(ids, first + offsets, tables.repeat_interleave(lengths, dim=0), logit_rows)
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] -> logits [R, V]."""
-        rows = int(ids.numel())
-        positions = positions.to(torch.int32).contiguous()
         widest = max(len(table) for table in block_tables)
         tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
+        return self._run(ids, positions, tables)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+             logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+        rows = int(ids.numel())
+        positions = positions.to(torch.int32).contiguous()
+        tables = tables.contiguous()
         x = self.model.embed(ids.reshape(rows)).float().contiguous()
-        logits = torch.empty(rows, self.model.config.vocab_size)
-        status = kernels().llama_paged_decode_step(ctypes.byref(self._struct), rows, positions.data_ptr(),
-                                                   tables.data_ptr(), widest, self.pool.block_size,
-                                                   self.pool.num_blocks, x.data_ptr(), logits.data_ptr(), self._arena)
+        picks = torch.tensor(logit_rows, dtype=torch.int32) if logit_rows is not None else None
+        logits = torch.empty(rows if picks is None else len(picks), self.model.config.vocab_size)
+        status = kernels().llama_paged_step(ctypes.byref(self._struct), rows, positions.data_ptr(), tables.data_ptr(),
+                                            tables.shape[1], self.pool.block_size, self.pool.num_blocks,
+                                            x.data_ptr(), _address(picks), logits.shape[0], logits.data_ptr(),
+                                            self._arena)
         if status:
             raise (MemoryError if status == -1 else ValueError)(f"the paged decode step {ERRORS.get(status, status)}")
         return logits

@@ -201,7 +201,9 @@ static inline void gemm_row(const qmatrix *w, int o, int rows, const int16_t *qx
 
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int ldy, int accumulate) {
-    if (rows >= DYNAMIC_ROWS) {
+    if (rows >= X8_MIN_ROWS && w->codes8) {
+        x8_gemm(w, rows, qx, dx, sx, y, ldy, accumulate);
+    } else if (rows >= DYNAMIC_ROWS) {
 #pragma omp for schedule(dynamic, GEMM_SHARE)
         for (int o = 0; o < w->n; o++) gemm_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
     } else {
@@ -211,9 +213,9 @@ void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx
 }
 
 /* y[rows, n] = x[rows, k] W^T for W of planes `kind` (ggml_gemv.h): quantise x, then multiply. */
-int ggml_linear(int kind, const void *codes, const float *d, const float *m, int n, int k, int rows,
-                const float *x, float *y) {
-    const qmatrix w = {kind, n, k, codes, d, m};
+int ggml_linear(int kind, const void *codes, const float *d, const float *m, const void *codes8, const float *d8,
+                const float *m8, int n, int k, int rows, const float *x, float *y) {
+    const qmatrix w = {kind, n, k, codes, d, m, codes8, d8, m8};
     const size_t blocks = (size_t)rows * (k / QK);
     int16_t *qx = malloc((size_t)rows * k * sizeof(int16_t));
     float *dx = malloc(blocks * sizeof(float)), *sx = malloc(blocks * sizeof(float));

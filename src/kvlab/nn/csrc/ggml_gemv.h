@@ -32,6 +32,9 @@ typedef struct {
     int n, k;
     const void *codes;
     const float *d, *m; /* m: Q4_1 offsets, NULL for Q8_0 */
+    /* the same weights interleaved eight output rows at a time (ggml_gemm_x8.c), or NULL */
+    const void *codes8;
+    const float *d8, *m8;
 } qmatrix;
 
 /* x[k] -> int16 codes, a scale per 32-value block and each block's exact sum. */
@@ -46,6 +49,20 @@ void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *
  * meet at its end), called outside it runs on one thread. */
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int ldy, int accumulate);
+
+/* From this many activation rows on, qmatrix_gemm uses the interleaved copy where it has one. */
+#define X8_MIN_ROWS 4
+
+/* The interleaved copy's sizes, and the copy itself (codes8 of x8_codes_bytes, d8 and m8 of
+ * x8_scales_count floats; m8 only for "q4_1"). */
+size_t x8_codes_bytes(int kind, int n, int k);
+size_t x8_scales_count(int kind, int n, int k);
+void qmatrix_interleave(int kind, const void *codes, const float *d, const float *m, int n, int k, void *codes8,
+                        float *d8, float *m8);
+
+/* qmatrix_gemm on the interleaved copy (same contract). */
+void x8_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y, int ldy,
+             int accumulate);
 
 /* Up to three matrices whose outputs are laid side by side (Q, K, V rows; gate, up rows):
  * stored apart when their kinds differ, as in llama.cpp's Q4_K_M files. */

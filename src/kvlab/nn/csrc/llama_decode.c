@@ -487,11 +487,29 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
  * the model and cache hold; -3 when the heads do not group (at most MAX_GROUP query heads per
  * KV head); -4 for a cache format or int8 group size this step cannot run. Rows must not
  * share a (block, offset): each writes its own token. */
+int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
+                     int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
+                     float *logits, kvlab_arena *arena);
+
 int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                             int max_blocks, int block_size, int num_blocks, float *x, float *logits,
                             kvlab_arena *arena) {
-    const int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
+    return llama_paged_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks, x, NULL, rows,
+                            logits, arena);
+}
+
+/* llama_paged_decode_step with logits for some rows only: logit_rows [n_logits], ascending
+ * (NULL: every row, n_logits = rows), logits [n_logits, vocab]. A prompt fed as rows needs
+ * the next-token scores of its last row alone, and the LM head is a fifth of SmolLM2's
+ * weights: 128 rows of a prompt would spend as much on scores nobody reads as on the layers. */
+int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
+                     int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
+                     float *logits, kvlab_arena *arena) {
+    int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
+    if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows)) return -2;
+    for (int i = 0; logit_rows && i < n_logits; i++)
+        if (logit_rows[i] < (i ? logit_rows[i - 1] + 1 : 0) || logit_rows[i] >= rows) return -2;
     int units = 0;
     for (int r = 0; r < rows; r++) units += m->n_kv_heads * chunks_at(positions[r]);
     scratch s;
@@ -507,8 +525,16 @@ int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *posit
 #pragma omp parallel
     {
         for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], &view, x, &s);
-        norm_quantize(x, m->final_norm, rows, m->dim, m->eps, s.normed, &s);
-        qmatrix_gemm(&m->lm_head, rows, s.qx, s.dx, s.sx, logits, m->vocab, 0);
+        if (logit_rows) { /* the rows that want scores to the front, in order (row i <= logit_rows[i]) */
+#pragma omp single
+            for (int i = 0; i < n_logits; i++)
+                if (logit_rows[i] != i)
+                    memcpy(x + (size_t)i * m->dim, x + (size_t)logit_rows[i] * m->dim, m->dim * sizeof(float));
+        }
+        if (n_logits > 0) {
+            norm_quantize(x, m->final_norm, n_logits, m->dim, m->eps, s.normed, &s);
+            qmatrix_gemm(&m->lm_head, n_logits, s.qx, s.dx, s.sx, logits, m->vocab, 0);
+        }
     }
     return 0;
 }
