@@ -145,3 +145,18 @@ def test_activation_quantiser_is_round_half_even_per_block(kernels_lib):
     assert torch.equal(codes.view(-1, 32), expected)
     assert torch.equal(codes[32:64], torch.zeros(32, dtype=torch.int16))
     torch.testing.assert_close(sums, blocks.sum(dim=1), rtol=1e-6, atol=1e-5)
+
+
+def test_prompts_on_a_float_gemm_machine_use_the_dequantised_matrix(monkeypatch):
+    """Where prompts_on_float_gemm() (AVX-512), prompt-sized products are fp32 on the exact weights:
+    no int16 rounding of the activations, so they match the dense product to fp32 noise."""
+    import kvlab.nn.ggml as ggml
+
+    planes = random_planes("q4_1", 96, 160, np.random.default_rng(6))
+    layer, dense = GGMLLinear(planes), planes.dense()
+    x = torch.randn(ggml.PROMPT_ROWS, 160)
+    expected = x @ dense.t()
+    monkeypatch.setattr(ggml, "prompts_on_float_gemm", lambda: True)
+    assert (layer(x) - expected).norm() / expected.norm() < 1e-6
+    monkeypatch.setattr(ggml, "prompts_on_float_gemm", lambda: False)
+    assert 1e-6 < (layer(x) - expected).norm() / expected.norm() < 2e-4  # the int16 kernel's rounding

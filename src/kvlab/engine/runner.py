@@ -15,8 +15,10 @@ speculative verification of [last token, drafts]) is one C call, each fed token 
 own at its own position (kvlab.nn.paged_decode, `PagedDecodeStep.feeds`); so are the
 proposers' rounds: the self-draft as the C step cut to the target's first layers, a draft
 model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
-Steps that carry prompt chunks, and a draft model's catch-up over a whole prompt, run
-module by module.
+Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
+rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where prompts are not
+better off on PyTorch's fp32 GEMM (kvlab.nn.ggml.prompts_on_float_gemm); past that, and for a
+draft model's catch-up over a whole prompt, module by module.
 
 Test hook: with KVLAB_FAULT_INJECT=ID in the environment, a step that feeds token ID from a
 prompt raises RuntimeError before the model runs, as a failing kernel would; the reliability
@@ -38,13 +40,15 @@ from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logit
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
+from kvlab.nn.ggml import prompts_on_float_gemm
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
 # Up to this context, a step that reads prompt tokens runs them in the C step as rows of their own (every
 # decode row of the step with them). Each row there attends alone over its whole context, while the module
 # path's SDPA shares each key block among a tile of queries: past a few thousand tokens a prompt's rows cost
-# more in attention than in the weights.
+# more in attention than in the weights. Where prompts multiply faster as fp32 (kvlab.nn.ggml.prompts_on_float_gemm),
+# steps with prompt tokens run module by module instead.
 C_PROMPT_CONTEXT = 2048
 
 
@@ -98,7 +102,8 @@ class ModelRunner:
             picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
                      zip(ends, lens, drafts)]
             flat = [r for rs in picks for r in rs]
-            if self.paged_step is not None and max(batch.context_lens) <= C_PROMPT_CONTEXT:  # a row per token, in C
+            in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT and not prompts_on_float_gemm())
+            if self.paged_step is not None and in_c:  # a row per token, in C
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
                                                [seq.block_table for seq in seqs], logit_rows=flat)
             else:

@@ -16,8 +16,8 @@ matrices. Several rows (a batch, a prompt) multiply on a second copy of the weig
 interleaved eight output rows at a time (csrc/ggml_gemm_x8.c): on the AMD EPYC (Zen 3, AVX2)
 this project ran on, SmolLM2's Q4_1 products of 16 rows went from about 26 to about 47
 billion multiply-adds per second, and of 128 to 2,048 rows they match or pass PyTorch's fp32
-GEMM on the dequantised matrix (which prompts used before), without writing that matrix
-out. kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
+GEMM on the dequantised matrix, without writing that matrix out (`prompts_on_float_gemm`
+says where prompts keep that GEMM). kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
 loaded with ctypes (no torch headers; about ten seconds, once per source version, most of it
@@ -44,8 +44,10 @@ import torch
 from torch import nn
 
 from kvlab.errors import KvlabEnvironmentError
+from torch.nn import functional as F
 
 QK = 32
+PROMPT_ROWS = 32  # where prompts_on_float_gemm(), from this many rows on a product dequantises for PyTorch's GEMM
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "llama_decode.c", CSRC / "abi.c")  # built into one library
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h")
@@ -66,6 +68,19 @@ def kernels_unavailable() -> Optional[str]:
     if _compiler() is None:
         return f"no C compiler ({os.environ.get('CC', 'cc')} or gcc) on PATH"
     return None
+
+
+@lru_cache(maxsize=1)
+def prompts_on_float_gemm() -> bool:
+    """Whether prompts (PROMPT_ROWS rows or more) should multiply as fp32 on the dequantised matrix.
+
+    The interleaved int16 kernel is AVX2 only. On the AVX2 EPYC this was measured on it matches
+    PyTorch's fp32 GEMM at 2,048 rows and beats it below; where PyTorch has AVX-512, its fp32
+    GEMM has twice the lanes while this kernel does not, and an earlier AVX-512 machine of this
+    project prefilled SmolLM2 about 2.7 times faster through that GEMM than this one does
+    through either. So AVX-512 machines keep the float GEMM for prompts (not re-measured there).
+    """
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def _compiler() -> Optional[str]:
@@ -296,6 +311,8 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One C call per layer per step: at batch 1 Python overhead is a real share of a step.
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if flat.shape[0] >= PROMPT_ROWS and prompts_on_float_gemm():
+            return F.linear(flat, self.weight).view(*x.shape[:-1], self.out_features).to(x.dtype)
         y = torch.empty(flat.shape[0], self.out_features)
         if kernels().ggml_linear(*self.planes(), *self.interleaved(), self.out_features, self.in_features, flat.shape[0],
                                  flat.data_ptr(), y.data_ptr()):

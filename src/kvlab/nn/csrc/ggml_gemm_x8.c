@@ -32,7 +32,7 @@
 #include "ggml_gemv.h"
 
 #define X8 8          /* output rows interleaved into one vector's lanes */
-#define X8_TILE 4     /* activation rows per pass over a group's blocks */
+#define X8_TILE 6     /* activation rows per pass over a group's blocks */
 #define X8_CHUNK 64   /* activation rows per unit of work: a prompt's rows stay in L2 */
 #define X8_SHARE 4    /* groups (32 output rows) per unit of work */
 
@@ -169,6 +169,8 @@ static inline __attribute__((always_inline)) void x8_rows(const qmatrix *w, cons
     int r = first;
     for (; r + X8_TILE <= last; r += X8_TILE) x8_tile(w, kind, g, r, X8_TILE, qx, dx, sx, y, ldy, accumulate);
     switch (last - r) {
+    case 5: x8_tile(w, kind, g, r, 5, qx, dx, sx, y, ldy, accumulate); break;
+    case 4: x8_tile(w, kind, g, r, 4, qx, dx, sx, y, ldy, accumulate); break;
     case 3: x8_tile(w, kind, g, r, 3, qx, dx, sx, y, ldy, accumulate); break;
     case 2: x8_tile(w, kind, g, r, 2, qx, dx, sx, y, ldy, accumulate); break;
     case 1: x8_tile(w, kind, g, r, 1, qx, dx, sx, y, ldy, accumulate); break;
