@@ -90,6 +90,22 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+/* a = silu(gate) up = gate / (1 + e^-gate) up, eight lanes at a time: e^-|gate| by exp8 (so
+ * its argument is <= 0), then sigmoid = 1 / (1 + e) for gate >= 0 and e / (1 + e) below.
+ * Scalar expf per channel took several milliseconds of a 16-row SmolLM2 step. */
+static void swiglu(const float *gate, const float *up, float *a, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_or_ps(g, sign)); /* e^-|g| */
+        const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g); /* blend on g's sign bit */
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* y = e^x for n values x <= 0, with exp8 (exported so tests can hold it to expf). */
 void exp_nonpositive(const float *x, float *y, int n) {
     int i = 0;
@@ -395,7 +411,7 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
         const int hi = lo + SWIGLU_PIECE < m->hidden ? lo + SWIGLU_PIECE : m->hidden;
         const float *gate = s->gate_up + (size_t)r * 2 * m->hidden, *up = gate + m->hidden;
         float *a = s->act + (size_t)r * m->hidden;
-        for (int i = lo; i < hi; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        swiglu(gate + lo, up + lo, a + lo, hi - lo);
         const long first = ((long)r * m->hidden + lo) / QK; /* the piece's blocks, quantised by the same thread */
         quantize_blocks(s->act, first, first + (hi - lo) / QK, s->qx, s->dx, s->sx);
     }
