@@ -27,8 +27,9 @@ for piece in $PIECES; do
     echo "== $piece" >&2
     case $piece in
     peers128|peers1024)
+        # fp16 KV, as llama.cpp's server keeps by default (kvlab's "auto" would be its fp32 activations)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --input-len "${piece#peers}" --max-concurrency 1,4,16,32 \
-            "${COMMON[@]}" --json "$OUT/compare_$piece.json" ;;
+            --kvlab-args "--kv-cache-dtype fp16" "${COMMON[@]}" --json "$OUT/compare_$piece.json" ;;
     kv)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \
             --peer "kvlab-fp8=$SERVE --kv-cache-dtype fp8" --peer "kvlab-int8=$SERVE --kv-cache-dtype int8" \
