@@ -84,3 +84,13 @@ def test_mistakes_are_one_line_exit_2(argv, message, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_each_level_gets_prompts_no_other_level_sent():
+    """A later level re-sending an earlier level's prompts would be answered from a prefix cache."""
+    from kvlab.bench.compare import Sweep
+
+    sweep = Sweep({12: list(range(14))}, [1, 3, 4], lambda level: max(4, level))
+    assert sweep.requests_needed() == 12
+    slices = [sweep.level_requests(12, level) for level in sweep.levels]
+    assert slices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

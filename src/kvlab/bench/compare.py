@@ -28,7 +28,8 @@ TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
 class Sweep:
     """What every peer is asked: the requests of each level and how they are sent."""
 
-    workloads: dict[int, list[SampleRequest]]  # prompt length -> its requests (every level takes the first n)
+    # prompt length -> its requests; each level takes a slice of its own (level_requests)
+    workloads: dict[int, list[SampleRequest]]
     levels: list[int]
     per_level: Callable[[int], int]  # requests sent at a level
     endpoint: str = "/v1/completions"
@@ -36,6 +37,16 @@ class Sweep:
     seed: int = 0
     request_timeout: float = 300.0
     percentiles: Sequence[float] = (90.0, 99.0)
+
+    def requests_needed(self) -> int:
+        """Requests a workload must hold: every level's, none shared."""
+        return sum(self.per_level(level) for level in self.levels)
+
+    def level_requests(self, input_len: int, level: int) -> list[SampleRequest]:
+        """The requests of one level: the slice after the earlier levels' ones. Shared prompts would let a
+        server with prefix caching answer a later level from the cache an earlier one filled."""
+        start = sum(self.per_level(earlier) for earlier in self.levels[:self.levels.index(level)])
+        return self.workloads[input_len][start:start + self.per_level(level)]
 
 
 def _config(sweep: Sweep, base_url: str, model: str, extras: Optional[bool]) -> ServeBenchConfig:
@@ -74,7 +85,7 @@ class _Entry:
 
     def run_level(self, sweep: Sweep, input_len: int, level: int, tokenizer, on_done=None) -> dict:
         config = _config(sweep, self.running.base_url, self.model, self.extras)
-        requests = sweep.workloads[input_len][:sweep.per_level(level)]
+        requests = sweep.level_requests(input_len, level)
         load = os.getloadavg()[0]  # kept with the result: a busy machine shows here
         outputs, duration = asyncio.run(run_level(config, requests, level, self.extras, on_done))
         result = {"input_len": input_len, **level_result(config, outputs, duration, level, tokenizer)}

@@ -102,7 +102,7 @@ def run_compare(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(gguf)
     kind, number = args.num_prompts
     per_level = (lambda level: max(4, number * level)) if kind == "x" else (lambda level: number)
-    most = max(per_level(level) for level in args.max_concurrency)
+    most = sum(per_level(level) for level in args.max_concurrency)  # each level its own requests
     if args.dataset_name == "random":
         workloads = {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
                      for n in args.input_len}
