@@ -93,7 +93,8 @@ def assert_pools_agree(ours: KVPool, reference: KVPool, batches: list[StepBatch]
                 assert torch.count_nonzero(new_b.float()) > 0
                 if name == "codes":
                     gap = (new_a.int() - new_b.int()).abs()
-                    assert gap.max() <= 1 and (gap == 0).float().mean() > 0.95, (layer, side, gap.max())
+                    # one apart at most, and rarely: 5% of the codes, or 2 where a small model writes few
+                    assert gap.max() <= 1 and (gap != 0).sum() <= max(2, 0.05 * gap.numel()), (layer, side, gap)
                 elif name in ("scale", "zero"):  # fp16 range ends of inputs equal to float summation order
                     torch.testing.assert_close(new_a.float(), new_b.float(), rtol=2e-3, atol=1e-4)
                 else:

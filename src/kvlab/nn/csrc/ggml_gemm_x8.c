@@ -1,5 +1,5 @@
-/* Products of several activation rows (a batch, a prompt) on weights interleaved eight output
- * rows at a time: the compute-bound case, where ggml_gemv.c's row-at-a-time loop is not.
+/* Products of activation rows (a batch, a prompt, one decode row) on weights interleaved eight
+ * output rows at a time.
  *
  * ggml_gemv.c takes one output row's block, multiplies it with a row of activations into
  * eight int32 lanes that all belong to that one output, and then spends a conversion, a
@@ -15,8 +15,10 @@
  * products exactly. The block's float work (conversion, the scales of eight outputs in one
  * load, the multiply-add) is then shared by eight outputs instead of spent on one.
  *
- * The interleaved copy (qmatrix_interleave) sits beside the planes ggml_gemv.c reads: a
- * batch-1 step is bound by memory, and keeps reading the row-major planes.
+ * The interleaved copy (qmatrix_interleave) sits beside the row-major planes, which stay for
+ * dequantising and exports and for a qmatrix without the copy. It serves one row too: a
+ * batch-1 SmolLM2 step here is bound by the kernel's instructions, not memory (about 8 of
+ * the 23 GB/s this machine streams), and its Q4_1 products ran 1.2-1.3x faster this way.
  *   kind 0 "q4_1": per group g of eight outputs and block b, 128 bytes: byte q of 16-byte
  *                  chunk p holds, in its low nibble, element q of pair vector 2p and in its
  *                  high nibble element q of pair vector 2p + 1; pair vector i's element
