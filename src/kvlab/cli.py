@@ -37,7 +37,13 @@ COMMANDS = {
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line on stderr (exit 2), not a usage dump."""
+    """argparse, but a usage mistake is one line on stderr (exit 2), not a usage dump, and a flag is
+    never guessed from its start: `--output PATH` was taken as `--output-len PATH`. Sub-command
+    parsers are built by the same class (argparse's add_subparsers defaults to the parent's type)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
