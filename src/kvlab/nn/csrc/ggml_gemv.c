@@ -13,6 +13,10 @@
  *   kind 2 "q6_k": codes [n, k] int8, d [n, k/16] as float;             w = q d.
  * Output rows are split over OpenMP threads; built with -fopenmp, this library shares the
  * libgomp.so.1 torch has already loaded, so torch.set_num_threads governs it too.
+ *
+ * The products kvlab runs go through ggml_gemm_x8.c's interleaved copy of these planes; the
+ * row-by-row loops below serve a qmatrix without that copy, and are the reference the
+ * interleaved kernel is tested against (tests/nn/test_ggml.py).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -201,7 +205,7 @@ static inline void gemm_row(const qmatrix *w, int o, int rows, const int16_t *qx
 
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int ldy, int accumulate) {
-    if (rows >= X8_MIN_ROWS && w->codes8) {
+    if (w->codes8) {
         x8_gemm(w, rows, qx, dx, sx, y, ldy, accumulate);
     } else if (rows >= DYNAMIC_ROWS) {
 #pragma omp for schedule(dynamic, GEMM_SHARE)

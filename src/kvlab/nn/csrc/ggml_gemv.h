@@ -43,17 +43,15 @@ void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
 /* The same for blocks first .. last - 1 only, on the calling thread (a row's share of a loop). */
 void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *dx, float *sx);
 
-/* y[r * ldy + o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act
+/* y[r * ldy + o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act,
+ * on the interleaved copy where the qmatrix has one (x8_gemm, at any row count: on SmolLM2 its
+ * Q4_1 products beat the row-major kernel 1.2-1.6x from one row up; its Q8_0 ones win 1.1x at
+ * one row and lose 1.1x at 2 and 3), else row by row on the planes
  * (ldy > n writes into a wider output, as stacked matrices do). Output rows are shared out
  * with an orphaned `omp for`: called inside a parallel region the threads split the work (and
  * meet at its end), called outside it runs on one thread. */
 void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
                   int ldy, int accumulate);
-
-/* From this many activation rows on, qmatrix_gemm uses the interleaved copy where it has one: from one,
- * since on SmolLM2 its Q4_1 products beat the row-major kernel 1.2-1.6x at 1 to 3 rows too (its Q8_0
- * ones by 1.1x at one row, and lose 1.1x at 2 and 3). */
-#define X8_MIN_ROWS 1
 
 /* The interleaved copy's sizes, and the copy itself (codes8 of x8_codes_bytes, d8 and m8 of
  * x8_scales_count floats; m8 only for "q4_1"). */

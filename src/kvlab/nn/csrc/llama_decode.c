@@ -521,7 +521,7 @@ int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *posit
 int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                      int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
                      float *logits, kvlab_arena *arena) {
-    int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
+    const int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
     if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows)) return -2;
     for (int i = 0; logit_rows && i < n_logits; i++)
