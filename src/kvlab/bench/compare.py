@@ -24,6 +24,11 @@ from kvlab.bench.serve_data import BenchError, SampleRequest
 TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
+def requests_needed(levels: Sequence[int], per_level: Callable[[int], int]) -> int:
+    """Requests a sweep's workload must hold: every level's, none shared (Sweep.level_requests)."""
+    return sum(per_level(level) for level in levels)
+
+
 @dataclass
 class Sweep:
     """What every peer is asked: the requests of each level and how they are sent."""
@@ -40,7 +45,7 @@ class Sweep:
 
     def requests_needed(self) -> int:
         """Requests a workload must hold: every level's, none shared."""
-        return sum(self.per_level(level) for level in self.levels)
+        return requests_needed(self.levels, self.per_level)
 
     def level_requests(self, input_len: int, level: int) -> list[SampleRequest]:
         """The requests of one level: the slice after the earlier levels' ones. Shared prompts would let a

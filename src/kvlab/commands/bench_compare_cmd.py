@@ -79,7 +79,7 @@ def _peers(args: argparse.Namespace, gguf: str, hf_dir, ports: list[int]):
 def run_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from kvlab.bench.compare import Sweep, comparison_table, run_compare as compare
+    from kvlab.bench.compare import Sweep, comparison_table, requests_needed, run_compare as compare
     from kvlab.bench.peers import KNOWN_PEERS, free_ports
     from kvlab.bench.provenance import provenance
     from kvlab.bench.serve_data import (BenchError, load_tokenizer, prefix_repetition_requests,
@@ -102,7 +102,7 @@ def run_compare(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(gguf)
     kind, number = args.num_prompts
     per_level = (lambda level: max(4, number * level)) if kind == "x" else (lambda level: number)
-    most = sum(per_level(level) for level in args.max_concurrency)  # each level its own requests
+    most = requests_needed(args.max_concurrency, per_level)  # each level its own requests
     if args.dataset_name == "random":
         workloads = {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
                      for n in args.input_len}

@@ -277,13 +277,13 @@ class GGMLLinear(nn.Module):
         self._interleave()
 
     def _interleave(self) -> None:
-        """The copy csrc/ggml_gemm_x8.c multiplies several activation rows with: eight output rows'
-        weights per vector. Derived from the planes, so it is not saved with the state dict."""
+        """The copy csrc/ggml_gemm_x8.c multiplies with: eight output rows' weights per vector.
+        Derived from the planes, so it is not saved with the state dict."""
         lib, (kind, n, k) = kernels(), (self.kind_id, self.out_features, self.in_features)
         codes8 = torch.empty(lib.x8_codes_bytes(kind, n, k), dtype=torch.uint8)
         d8 = torch.empty(lib.x8_scales_count(kind, n, k))
         m8 = torch.empty(lib.x8_scales_count(kind, n, k)) if self.offsets is not None else None
-        lib.qmatrix_interleave(*self.planes(), n, k, codes8.data_ptr(), d8.data_ptr(), _address(m8))
+        lib.qmatrix_interleave(*self.planes(), n, k, codes8.data_ptr(), d8.data_ptr(), address(m8))
         self.register_buffer("codes8", codes8, persistent=False)
         self.register_buffer("d8", d8, persistent=False)
         self.register_buffer("m8", m8, persistent=False)
@@ -301,12 +301,11 @@ class GGMLLinear(nn.Module):
         """(kind, codes, scales, offsets) as the C functions take them: addresses, None for no offsets.
         Valid while this layer's buffers stay where they are (no `.to()` in between)."""
         assert self.scales.dtype == torch.float32 and self.codes.device.type == "cpu"
-        offsets = self.offsets.data_ptr() if self.offsets is not None else None
-        return self.kind_id, self.codes.data_ptr(), self.scales.data_ptr(), offsets
+        return self.kind_id, self.codes.data_ptr(), self.scales.data_ptr(), address(self.offsets)
 
     def interleaved(self) -> tuple[int, int, Optional[int]]:
         """(codes8, d8, m8) addresses of the interleaved copy, as the C functions take them."""
-        return self.codes8.data_ptr(), self.d8.data_ptr(), _address(self.m8)
+        return self.codes8.data_ptr(), self.d8.data_ptr(), address(self.m8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One C call per layer per step: at batch 1 Python overhead is a real share of a step.
@@ -369,5 +368,6 @@ def ggml_layer(parts: list, stack: Optional[Callable[[list], "Planes | PackedPla
     return layers[0] if len(layers) == 1 else GGMLStack(layers)
 
 
-def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    """A tensor's address as the C functions take it, None (NULL) for no tensor."""
     return tensor.data_ptr() if tensor is not None else None

@@ -37,7 +37,7 @@ from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_INT8, KVPlane
 from kvlab.nn.fused_decode import llama_struct, new_arena, why_not_model
-from kvlab.nn.ggml import kernels
+from kvlab.nn.ggml import address, kernels
 from kvlab.nn.model import Decoder
 
 ERRORS = {-1: "could not allocate its scratch memory", -2: "was handed a position or block outside the model or pool",
@@ -108,8 +108,8 @@ class PagedDecodeStep:
                 if scales is not None:
                     self._keep.append(scales)
                 data = fields["codes"] if "codes" in fields else fields["x"]
-                pair.append(KVPlane(data.data_ptr(), _address(fields.get("scale")), _address(fields.get("zero")),
-                                    _address(scales)))
+                pair.append(KVPlane(data.data_ptr(), address(fields.get("scale")), address(fields.get("zero")),
+                                    address(scales)))
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
         self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, model.config.head_size),
@@ -141,15 +141,11 @@ class PagedDecodeStep:
         ids = torch.tensor([t for feed in feeds for t in feed])
         first = torch.tensor(starts).repeat_interleave(lengths)
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-        widest = max(len(table) for table in block_tables)
-        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
-        return self._run(ids, first + offsets, tables.repeat_interleave(lengths, dim=0), logit_rows)
+        return self._run(ids, first + offsets, _padded(block_tables).repeat_interleave(lengths, dim=0), logit_rows)
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] -> logits [R, V]."""
-        widest = max(len(table) for table in block_tables)
-        tables = torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
-        return self._run(ids, positions, tables)
+        return self._run(ids, positions, _padded(block_tables))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None) -> torch.Tensor:
@@ -161,15 +157,18 @@ class PagedDecodeStep:
         logits = torch.empty(rows if picks is None else len(picks), self.model.config.vocab_size)
         status = kernels().llama_paged_step(ctypes.byref(self._struct), rows, positions.data_ptr(), tables.data_ptr(),
                                             tables.shape[1], self.pool.block_size, self.pool.num_blocks,
-                                            x.data_ptr(), _address(picks), logits.shape[0], logits.data_ptr(),
+                                            x.data_ptr(), address(picks), logits.shape[0], logits.data_ptr(),
                                             self._arena)
         if status:
             raise (MemoryError if status == -1 else ValueError)(f"the paged decode step {ERRORS.get(status, status)}")
         return logits
 
 
-def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
-    return tensor.data_ptr() if tensor is not None else None
+def _padded(block_tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int32 tensor [tables, longest], short ones padded with block 0 (never read:
+    the C step reads a row's entries up to its position only)."""
+    widest = max(len(table) for table in block_tables)
+    return torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
 
 
 def paged_step_for(model: Decoder, pool, max_rows: int, num_layers: Optional[int] = None) -> Optional[PagedDecodeStep]:
