@@ -5,7 +5,9 @@ exactly `output_len` tokens (ignore_eos), so every engine does the same work. Fi
 requests/s, output tokens/s and total tokens/s over the wall time from the first request to
 the last token. Beside the batched run, the same command can run kvlab at one request at a
 time and plain `kvlab.nn.generate` (batch 1), in one process and one run, so the ratios
-compare like with like.
+compare like with like. Like with like also means the same work: the warm-up and the
+baselines get prompts of their own, never the batched run's, so no run finds its prompt in
+the prefix cache and skips its prefill (`prefix_cached_tokens` in each run's figures says so).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
     pending = list(prompts)
     limit = concurrency or len(prompts)
     in_flight, finished, output_tokens = 0, 0, 0
+    hits_before = engine.blocks.prefix_hits
     started = time.perf_counter()
     first_token: dict[str, float] = {}
     with torch.inference_mode():
@@ -55,7 +58,8 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_len: int, con
             "requests_per_s": finished / elapsed, "output_tokens": output_tokens,
             "output_tokens_per_s": output_tokens / elapsed, "total_tokens_per_s": (output_tokens + total_in) / elapsed,
             "mean_ttft_s": sum(first_token.values()) / max(1, len(first_token)),
-            "preemptions": engine.scheduler.num_preemptions, "decode_path": engine.decode_path}
+            "preemptions": engine.scheduler.num_preemptions, "decode_path": engine.decode_path,
+            "prefix_cached_tokens": engine.blocks.prefix_hits - hits_before}
 
 
 def run_generate(model, prompt: list[int], output_len: int) -> dict:

@@ -52,11 +52,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"[kvlab] {line}", file=sys.stderr)
     tok = engine.tokenizer
     special = tuple(t for t in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) if t is not None)
-    prompts = random_prompts(args.num_prompts, args.input_len, engine.model.config.vocab_size, args.dataset_seed,
-                             special)
+    # the batched run's prompts, then three of their own for the warm-up and the batch-1 baselines
+    # (the first num_prompts are the same whatever the count: random_prompts draws them in order)
+    prompts = random_prompts(args.num_prompts + 3, args.input_len, engine.model.config.vocab_size,
+                             args.dataset_seed, special)
+    prompts, warm_up, solo = prompts[:args.num_prompts], prompts[-3], prompts[-2:]
     if args.input_len + args.output_len > engine.max_model_len:
         raise PlanError(f"--input-len + --output-len exceeds the model length {engine.max_model_len}")
-    run_engine(engine, prompts[:1], 4)  # warm-up: kernels built, pages touched
+    run_engine(engine, [warm_up], 4)  # kernels built, pages touched
     bar = progress_bar(args.num_prompts, "requests", unit="req", enabled=sys.stderr.isatty())
     result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
@@ -65,8 +68,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     if args.baselines:
-        result["engine_one_at_a_time"] = run_engine(engine, prompts[:2], args.output_len, concurrency=1)
-        result["generate_batch_1"] = run_generate(engine.model, prompts[0], args.output_len)
+        result["engine_one_at_a_time"] = run_engine(engine, solo, args.output_len, concurrency=1)
+        result["generate_batch_1"] = run_generate(engine.model, solo[0], args.output_len)
         one = result["engine_one_at_a_time"]["output_tokens_per_s"]
         result["ratio_batched_vs_engine_batch_1"] = result["batched"]["output_tokens_per_s"] / one
         result["ratio_engine_batch_1_vs_generate"] = one / result["generate_batch_1"]["output_tokens_per_s"]
