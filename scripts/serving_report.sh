@@ -50,7 +50,7 @@ for piece in $PIECES; do
         "${LOCK[@]}" python3 -m kvlab.bench.vllm_interop --model "$MODEL" --num-prompts 12 --output-len 24 \
             --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
     decode)
-        "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --json "$OUT/decode_sweep.json" ;;
+        "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --rounds 2 --json "$OUT/decode_sweep.json" ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvlab.bench.decode_sweep import Point, grid
+from kvlab.bench.decode_sweep import Point, best_of, grid
 from kvlab.cli import main
 from needs import STORIES, require_file
 
@@ -15,6 +15,15 @@ from needs import STORIES, require_file
 def test_the_default_grid_is_a_cross_and_full_is_every_pair():
     assert grid([1, 4, 8], [128, 512], full=False) == [Point(1, 128), Point(4, 128), Point(8, 128), Point(1, 512)]
     assert grid([1, 4], [64, 32], full=True) == [Point(1, 64), Point(4, 64), Point(1, 32), Point(4, 32)]
+
+
+def test_best_of_keeps_each_phases_fastest_round_and_every_round():
+    runs = [{"prefill_s": 2.0, "decode_s": 1.0, "decode_steps": 3, "decode_path": "x"},
+            {"prefill_s": 1.0, "decode_s": 4.0, "decode_steps": 3, "decode_path": "x"}]
+    best = best_of(runs, batch=2, context=10, new_tokens=4)
+    assert (best["prefill_s"], best["decode_s"]) == (1.0, 1.0) and best["decode_path"] == "x"
+    assert best["prefill_tokens_per_s"] == 20.0 and best["decode_tokens_per_s"] == 6.0
+    assert best["rounds"] == [{"prefill_s": 2.0, "decode_s": 1.0}, {"prefill_s": 1.0, "decode_s": 4.0}]
 
 
 def test_decode_sweep_interleaves_engines_and_states_ratios_and_roofline(tmp_path, capsys):
@@ -28,7 +37,7 @@ def test_decode_sweep_interleaves_engines_and_states_ratios_and_roofline(tmp_pat
 
     out = tmp_path / "decode.json"
     rc = main(["bench", "decode", str(STORIES), "--batch-sizes", "1,3", "--contexts", "8,24", "--new-tokens", "4",
-               "--threads", "1", "--bandwidth-gbs", "12.5", "--json", str(out)])
+               "--threads", "1", "--bandwidth-gbs", "12.5", "--rounds", "2", "--json", str(out)])
     assert rc == 0 and "kvlab bench decode" in capsys.readouterr().out
     result = json.loads(out.read_text())
     expected = ["kvlab", "transformers (bfloat16)"] + (["llama.cpp"] if importlib.util.find_spec("llama_cpp") else [])
@@ -44,6 +53,7 @@ def test_decode_sweep_interleaves_engines_and_states_ratios_and_roofline(tmp_pat
         assert point["roofline_decode_tokens_per_s"] == pytest.approx(point["batch"] / floor)
         ours = point["engines"]["kvlab"]
         assert ours["decode_steps"] == 3 and ours["decode_ratio_to_kvlab"] == 1.0
+        assert all(len(engine["rounds"]) == 2 for engine in point["engines"].values())
         for engine in point["engines"].values():
             assert engine["prefill_tokens_per_s"] == pytest.approx(point["batch"] * point["context"] /
                                                                    engine["prefill_s"])

@@ -29,6 +29,9 @@ def test_the_page_states_same_run_ratios_and_the_target(tmp_path):
               "runs": [_run(16, 300.0, 200.0, 40.0)]},
              {"name": "llama.cpp-serial", "status": "ran", "note": "GGUF", "startup_s": 1.0, "vllm_extras": True,
               "runs": [_run(16, 50.0, 9000.0, 19.0)]},
+             {"name": "transformers", "status": "ran", "note": "HF", "startup_s": 12.0, "vllm_extras": False,
+              "runs": [{**_run(16, 0.0, 0.0, 0.0), "completed": 0, "failed": 16,
+                        "first_errors": ["no answer within --request-timeout 300 s"]}]},
              {"name": "vllm", "status": "skipped", "reason": "no vLLM venv"}]
     (tmp_path / "compare_peers128.json").write_text(json.dumps(_compare(peers)))
     page = render(tmp_path)
@@ -36,6 +39,9 @@ def test_the_page_states_same_run_ratios_and_the_target(tmp_path):
     assert "**6.00x** the best peer (llama.cpp-serial, 50.0 tok/s): the 5x target is met" in page
     assert "worse than llama.cpp-serial (tpot 19 ms)" in page  # kvlab's p99 TPOT 40 ms > 19 ms
     assert "- vllm: skipped: no vLLM venv" in page
+    assert ('- transformers at prompt 128, concurrency 16: 16 of 16 requests failed; the first: "no answer within '
+            '--request-timeout 300 s".') in page
+    assert "llama.cpp-serial at prompt" not in page  # only cells with failures are listed
     assert "Not measured yet: `PIECES=peers1024 scripts/serving_report.sh`" in page
     assert "commit abcdef1" in page
     assert main([str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == page

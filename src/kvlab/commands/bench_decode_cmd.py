@@ -45,6 +45,8 @@ def add_parser(benches) -> None:
                    help="instead: batch-1 greedy decode with the prompt included, kvlab fused and module by module "
                         "against transformers fp32 and bf16, --repeats timed runs each in turns "
                         "(kvlab.bench.decode_speed, what reports/decode_speed shows)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="turns of every engine at each point; each keeps its fastest prefill and decode (default 1)")
     p.add_argument("--repeats", type=positive_int, default=3, help="--batch-1-race: timed runs (default 3)")
     p.set_defaults(run=run_decode)
 
@@ -104,18 +106,20 @@ def run_decode(args: argparse.Namespace) -> int:
     points = grid(args.batch_sizes, args.contexts, args.full_grid)
     for run in engines.values():  # warm-up: kernels built, weights paged in
         run(random_prompts(1, 8, config.vocab_size, args.seed + 1, special), 3)
-    bar = progress_bar(len(points) * len(engines), "decode points", unit="run", enabled=sys.stderr.isatty())
+    bar = progress_bar(len(points) * len(engines) * args.rounds, "decode points", unit="run",
+                       enabled=sys.stderr.isatty())
     rows = sweep(engines, points, args.new_tokens,
                  lambda p: random_prompts(p.batch, p.context, config.vocab_size, args.seed, special),
                  lambda p: roofline_tokens_per_s(config, weights, p, args.new_tokens, bandwidth,
                                                  args.kv_cache_dtype),
-                 bar.update if bar is not None else None)
+                 bar.update if bar is not None else None, rounds=args.rounds)
     if bar is not None:
         bar.close()
     result = {"benchmark": "decode", "model": args.model, "gguf": path, "new_tokens": args.new_tokens,
               "engines": list(engines), "kv_cache_dtype": args.kv_cache_dtype, "bandwidth_gbs": round(bandwidth, 2),
               "bandwidth_source": source, "weight_bytes_read_per_step": weights,
-              "order": "at each point the engines in turn; ratios are to kvlab at that point", "points": rows,
+              "order": "at each point the engines in turn; ratios are to kvlab at that point", "rounds": args.rounds,
+              "points": rows,
               "provenance": provenance(threads)}
     Console(width=160).print(decode_table(result))
     if args.json:

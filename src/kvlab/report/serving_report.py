@@ -79,6 +79,19 @@ def peers_notes(result: dict) -> list[str]:
     return lines
 
 
+def failure_notes(result: dict) -> list[str]:
+    """Where requests failed, how many and the first error the client saw (a timeout, a 500): never left out."""
+    lines = []
+    for peer in result["peers"]:
+        for run in peer.get("runs", []):
+            if run.get("failed"):
+                errors = run.get("first_errors") or ["no error recorded"]
+                lines.append(f"- {peer['name']} at prompt {run['input_len']}, concurrency {run['max_concurrency']}: "
+                             f"{run['failed']} of {run['completed'] + run['failed']} requests failed; the first: "
+                             f"\"{errors[0]}\".")
+    return lines
+
+
 def target_lines(result: dict) -> list[str]:
     """The issue's target at concurrency 16: kvlab >= 5x the best peer, p99 TTFT and TPOT no worse than any."""
     lines = []
@@ -108,7 +121,7 @@ def variant_section(result: Optional[dict], title: str, what: str, name: str) ->
     if result is None:
         return lines + [f"Not measured yet: `PIECES={name} scripts/serving_report.sh`.", ""]
     return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
-                    *peers_notes(result),
+                    *peers_notes(result), *failure_notes(result),
                     ""]
 
 
@@ -194,8 +207,12 @@ def decode_lines(d: Optional[dict]) -> list[str]:
     if d is None:
         return lines + ["Not measured yet: `PIECES=decode scripts/serving_report.sh`.", ""]
     engines = d["engines"]
-    lines += [f"`kvlab bench decode {d['model']}`: greedy, {d['new_tokens']} new tokens per sequence, the engines in "
-              "turn at each point; decode as a ratio to kvlab and as a fraction of kvlab.plan's bandwidth roofline "
+    rounds = d.get("rounds", 1)
+    turns = ("the engines in turn at each point, one round" if rounds == 1 else
+             f"the engines in turn at each point, {rounds} rounds, each engine's fastest prefill and fastest "
+             "decode kept (every round's times are in the JSON)")
+    lines += [f"`kvlab bench decode {d['model']} --rounds {rounds}`: greedy, {d['new_tokens']} new tokens per "
+              f"sequence, {turns}; decode as a ratio to kvlab and as a fraction of kvlab.plan's bandwidth roofline "
               f"(weights kvlab reads, {d['weight_bytes_read_per_step'] / 2**20:.0f} MiB a step, plus the KV "
               f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {_prov(d)}.", "",
               "| batch | context | roofline tok/s | " + " | ".join(f"{e} decode tok/s" for e in engines) + " | "
@@ -213,7 +230,10 @@ def decode_lines(d: Optional[dict]) -> list[str]:
             cells.append(f"{x['prefill_tokens_per_s']:,.0f} ({x['prefill_ratio_to_kvlab']:.2f}x)")
         lines.append(f"| {p['batch']} | {p['context']} | {p['roofline_decode_tokens_per_s']:,.0f} | "
                      + " | ".join(cells) + " |")
-    return lines + ["", "Each cell: rate (ratio to kvlab at that point, fraction of the roofline).", ""]
+    note = ("" if rounds > 1 else " With one round, a few seconds' stall of this shared machine during a run "
+            "reads as that engine's speed at that point: a figure far off its neighbours is more likely that than "
+            "the engine.")
+    return lines + ["", "Each cell: rate (ratio to kvlab at that point, fraction of the roofline)." + note, ""]
 
 
 def render(folder: Path) -> str:
@@ -242,7 +262,7 @@ def render(folder: Path) -> str:
             lines += [f"Not measured yet: `PIECES=peers{length} scripts/serving_report.sh`.", ""]
             continue
         lines += [f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
-                  *peers_notes(result), "",
+                  *peers_notes(result), *failure_notes(result), "",
                   *target_lines(result), ""]
     lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",
                              "`kvlab serve` three times, `--kv-cache-dtype fp16` (`kvlab`), `fp8` and `int8`, taking "
@@ -250,8 +270,10 @@ def render(folder: Path) -> str:
     lines += prefix_lines(_load(folder, "compare_prefix.json"), _load(folder, "prefix_ttft_smollm2.json"))
     lines += variant_section(_load(folder, "compare_spec.json"), "Speculative decoding on and off",
                              "`kvlab serve` without (`kvlab`) and with `--speculative-config '{\"method\": \"ngram\", "
-                             "\"num_speculative_tokens\": 4}'` on the random workload, taking turns. Random prompts "
-                             "give n-gram lookup little to find, so this is its cost when it cannot help.", "spec")
+                             "\"num_speculative_tokens\": 4}'` on the random workload, taking turns. n-gram lookup drafts from "
+                             "the request's own tokens, so what it gains depends on how much the model's greedy "
+                             "continuation repeats them; reports/speculative has acceptance rates on chat and "
+                             "predictable text.", "spec")
     lines += interop_lines(_load(folder, "vllm_interop.json"))
     lines += reliability_lines(_load(folder, "reliability.json"))
     lines += decode_lines(_load(folder, "decode_sweep.json"))
