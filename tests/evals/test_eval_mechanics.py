@@ -100,6 +100,21 @@ def test_kv_head_conversion_settings_change_the_model(loaded) -> None:
     assert KVSetting("int4", pre_rope=True, kv_heads=2, method="random").label == "int4+prerope kvh2-random"
 
 
+def test_mla_settings_convert_the_model_and_cache_its_latent(loaded) -> None:
+    setting = KVSetting("fp16", mla_rank=16, mla_rope=4)
+    assert setting.label == "fp16 mla-r16-rope4"
+    mla = build_model(loaded, setting)
+    assert mla.config.attention == "mla" and mla.config.kv_lora_rank == 16
+    assert loaded.model.config.attention == "gqa"  # converted in memory: the loaded model is untouched
+    cache = new_cache(mla, setting, 8)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        mla(ids, cache)
+    assert cache.seq_len(0) == 4
+    with pytest.raises(EvalError):
+        KVSetting("fp16", kv_heads=1, mla_rank=16)
+
+
 def test_cli_resumes_and_reports_mistakes_in_one_line(tmp_path, capsys) -> None:
     require_file(STORIES, "stories260K")
     out = tmp_path / "e.json"

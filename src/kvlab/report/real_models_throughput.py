@@ -1,0 +1,83 @@
+"""The real-models report's throughput column: kvlab's engine decoding 16 concurrent requests per KV setting.
+
+The quality columns say what a cache format costs; this one says what it buys or costs in
+speed on this machine, through the engine a user would serve it with (the GGUF model, the
+fused C step where it serves the format, module by module where it does not: `decode_path`
+says which). Each setting's figure is one `kvlab.bench.throughput.run_engine` run of the
+same random prompts, after a warm-up on a prompt of its own, kept in engine_throughput.json
+with the run's provenance; a setting already there is not measured again.
+
+Settings the engine's paged pool does not serve (KIVI, KVQuant, pre-RoPE keys) and the
+in-memory KV-head and MLA conversions (the engine loads the GGUF blocks, which are not
+converted) get no figure.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from kvlab.evals.setting import KVSetting
+
+REQUESTS, INPUT_LEN, OUTPUT_LEN = 16, 128, 64
+POOL_BYTES = 512 * 2**20
+FILE = "engine_throughput.json"
+
+
+def served(setting: KVSetting) -> bool:
+    """Whether the engine serves this setting on the unconverted model."""
+    return not (setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi")
+                or setting.kv_heads is not None or setting.mla_rank is not None)
+
+
+def load(out: Path) -> dict:
+    path = out / FILE
+    return json.loads(path.read_text()) if path.exists() else {"workload": workload(), "rows": {}}
+
+
+def workload() -> dict:
+    return {"requests": REQUESTS, "concurrency": REQUESTS, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
+            "kv_cache_memory": POOL_BYTES, "prompts": "random ids, dataset seed 0 (kvlab.bench.throughput)"}
+
+
+def pending(out: Path, settings: list[KVSetting]) -> list[KVSetting]:
+    done = load(out)["rows"]
+    return [s for s in settings if served(s) and s.label not in done]
+
+
+def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dict:
+    """One setting's run, added to engine_throughput.json (written atomically) and returned."""
+    import torch
+
+    from kvlab.bench.provenance import provenance
+    from kvlab.bench.throughput import random_prompts, run_engine
+    from kvlab.engine.engine import EngineConfig, LLMEngine
+    from kvlab.engine.llm import load_for_engine
+
+    model, tokenizer = load_for_engine(model_name, threads=threads)
+    engine = LLMEngine(model, tokenizer, EngineConfig(
+        kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
+        kv_window=setting.window, sink_tokens=setting.sinks))
+    special = tuple(t for t in (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None))
+                    if t is not None)
+    prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special)
+    run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
+    figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)
+    figures["capacity_lines"] = engine.capacity_lines
+    figures["provenance"] = provenance(torch.get_num_threads())
+    doc = load(out)
+    doc["rows"][setting.label] = figures
+    tmp = out / (FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out / FILE)
+    return figures
+
+
+def cell(out: Path, label: str) -> Optional[str]:
+    """The table's cell for a setting's label: output tok/s and, where it was not the C step, the path."""
+    row = load(out)["rows"].get(label)
+    if row is None:
+        return None
+    path = "" if row["decode_path"] == "fused C step" else f" ({row['decode_path']})"
+    return f"{row['output_tokens_per_s']:.1f}{path}"

@@ -1,0 +1,31 @@
+"""The real-models report's throughput column: one engine run per served setting, kept and shown."""
+
+import json
+
+from kvlab.evals.setting import KVSetting
+from kvlab.report import real_models_throughput as throughput
+from needs import STORIES, require_file
+
+
+def test_served_settings_are_the_unconverted_paged_formats():
+    assert throughput.served(KVSetting("fp16")) and throughput.served(KVSetting("int8"))
+    assert throughput.served(KVSetting("fp16", window=256, sinks=4))
+    for setting in (KVSetting("kivi2"), KVSetting("kvquant3"), KVSetting("int4", pre_rope=True),
+                    KVSetting("fp16", kv_heads=1)):
+        assert not throughput.served(setting)
+
+
+def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    settings = [KVSetting("fp16"), KVSetting("kivi2")]
+    assert throughput.pending(tmp_path, settings) == [KVSetting("fp16")]
+    figures = throughput.measure(tmp_path, str(STORIES), KVSetting("fp16"), threads=1)
+    assert figures["num_requests"] == throughput.REQUESTS
+    assert figures["output_tokens"] == throughput.REQUESTS * throughput.OUTPUT_LEN  # ignore_eos: every token
+    assert figures["prefix_cached_tokens"] == 0  # the warm-up's prompt is not among the measured ones
+    stored = json.loads((tmp_path / throughput.FILE).read_text())
+    assert stored["workload"]["input_len"] == throughput.INPUT_LEN and "fp16" in stored["rows"]
+    assert throughput.pending(tmp_path, settings) == []
+    cell = throughput.cell(tmp_path, "fp16")
+    assert cell.startswith(f"{figures['output_tokens_per_s']:.1f}")
+    assert throughput.cell(tmp_path, "kivi2") is None
