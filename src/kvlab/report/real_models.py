@@ -210,6 +210,19 @@ def uptrain_line(out: Path) -> str:
             "after uptraining.")
 
 
+def table_line(row: dict, base: Optional[float], out: Path) -> str:
+    """One setting's row of the main table, from its summary (`summarise` plus the serving figures)."""
+    ppl = row["perplexity"]
+    delta = "–" if ppl is None or base is None else f"{(ppl / base - 1) * 100:+.2f}%"
+    depth = [fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS]
+    seats = [str(row["serving"][name]) for name in CARDS]
+    line = row["engine_capacity_line"]
+    engine = "–" if line is None else line.split(": ", 1)[-1]
+    return (f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
+            f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
+            + " | ".join(seats) + f" | {engine} | {throughput.cell(out, row['label']) or '–'} |")
+
+
 def render(out: Path) -> None:
     import torch
 
@@ -282,16 +295,7 @@ def render(out: Path) -> None:
         + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) | engine tok/s, 16 concurrent |",
         "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|---|",
     ]
-    for row in rows:
-        ppl = row["perplexity"]
-        delta = "–" if ppl is None or base is None else f"{(ppl / base - 1) * 100:+.2f}%"
-        depth = [fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS]
-        seats = [str(row["serving"][name]) for name in CARDS]
-        line = row["engine_capacity_line"]
-        engine = "–" if line is None else line.split(": ", 1)[-1]
-        lines.append(f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
-                     f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
-                     + " | ".join(seats) + f" | {engine} | {throughput.cell(out, row['label']) or '–'} |")
+    lines += [table_line(row, base, out) for row in rows]
     lines += ["", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
               "| KV setting | " + " | ".join(f"len {n}" for n in LENGTHS) + " | "
               + " | ".join(f"seed {s}" for s in SEEDS) + " |",

@@ -1,0 +1,24 @@
+"""The real-models table's rows: each row's own figures, its own throughput cell, nothing borrowed from another."""
+
+import json
+
+from kvlab.report import real_models_throughput as throughput
+from kvlab.report.real_models import CARDS, DEPTHS, table_line
+
+
+def _row(label, ppl, line):
+    return {"label": label, "perplexity": ppl, "passkey_by_depth": {f"{d:.1f}": [3, 4] for d in DEPTHS},
+            "serving": {"kv_bytes_per_sequence_8k": 2**20, **{name: 7 for name in CARDS}},
+            "engine_capacity_line": line}
+
+
+def test_each_row_shows_its_own_throughput_and_ratio(tmp_path):
+    (tmp_path / throughput.FILE).write_text(json.dumps({"workload": throughput.workload(), "rows": {
+        "fp16": {"output_tokens_per_s": 114.0, "decode_path": "fused C step"},
+        "int4": {"output_tokens_per_s": 23.4, "decode_path": "module by module"}}}))
+    fp16 = table_line(_row("fp16", 30.0, "Maximum concurrency for 8,192 tokens per request: 1.42x"), 30.0, tmp_path)
+    int4 = table_line(_row("int4", 33.0, None), 30.0, tmp_path)
+    kivi = table_line(_row("kivi2", None, None), 30.0, tmp_path)
+    assert fp16 == "| fp16 | 1.0 | 30.000 | +0.00% | 3/4 | 3/4 | 3/4 | 7 | 7 | 7 | 1.42x | 114.0 |"
+    assert int4.endswith("| +10.00% | 3/4 | 3/4 | 3/4 | 7 | 7 | 7 | – | 23.4 (module by module) |")
+    assert kivi.endswith("| – | – |") and "| – | – | 3/4" in kivi  # no perplexity, no engine line, no throughput
