@@ -16,9 +16,10 @@ def test_each_row_shows_its_own_throughput_and_ratio(tmp_path):
     (tmp_path / throughput.FILE).write_text(json.dumps({"workload": throughput.workload(), "rows": {
         "fp16": {"output_tokens_per_s": 114.0, "decode_path": "fused C step"},
         "int4": {"output_tokens_per_s": 23.4, "decode_path": "module by module"}}}))
-    fp16 = table_line(_row("fp16", 30.0, "Maximum concurrency for 8,192 tokens per request: 1.42x"), 30.0, tmp_path)
-    int4 = table_line(_row("int4", 33.0, None), 30.0, tmp_path)
-    kivi = table_line(_row("kivi2", None, None), 30.0, tmp_path)
+    measured = throughput.load(tmp_path)["rows"]
+    fp16 = table_line(_row("fp16", 30.0, "Maximum concurrency for 8,192 tokens per request: 1.42x"), 30.0, measured)
+    int4 = table_line(_row("int4", 33.0, None), 30.0, measured)
+    kivi = table_line(_row("kivi2", None, None), 30.0, measured)
     assert fp16 == "| fp16 | 1.0 | 30.000 | +0.00% | 3/4 | 3/4 | 3/4 | 7 | 7 | 7 | 1.42x | 114.0 |"
     assert int4.endswith("| +10.00% | 3/4 | 3/4 | 3/4 | 7 | 7 | 7 | – | 23.4 (module by module) |")
     assert kivi.endswith("| – | – |") and "| – | – | 3/4" in kivi  # no perplexity, no engine line, no throughput

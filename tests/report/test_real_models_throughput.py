@@ -11,7 +11,7 @@ def test_served_settings_are_the_unconverted_paged_formats():
     assert throughput.served(KVSetting("fp16")) and throughput.served(KVSetting("int8"))
     assert throughput.served(KVSetting("fp16", window=256, sinks=4))
     for setting in (KVSetting("kivi2"), KVSetting("kvquant3"), KVSetting("int4", pre_rope=True),
-                    KVSetting("fp16", kv_heads=1)):
+                    KVSetting("fp16", kv_heads=1), KVSetting("fp16", mla_rank=16, mla_rope=4)):
         assert not throughput.served(setting)
 
 
@@ -26,6 +26,6 @@ def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     stored = json.loads((tmp_path / throughput.FILE).read_text())
     assert stored["workload"]["input_len"] == throughput.INPUT_LEN and "fp16" in stored["rows"]
     assert throughput.pending(tmp_path, settings) == []
-    cell = throughput.cell(tmp_path, "fp16")
+    cell = throughput.cell(throughput.load(tmp_path)["rows"]["fp16"])
     assert cell.startswith(f"{figures['output_tokens_per_s']:.1f}")
-    assert throughput.cell(tmp_path, "kivi2") is None
+    assert throughput.cell(throughput.load(tmp_path)["rows"].get("kivi2")) is None

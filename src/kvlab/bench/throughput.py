@@ -22,6 +22,11 @@ from kvlab.engine.engine import LLMEngine
 from kvlab.engine.sampling import SamplingParams
 
 
+def special_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's BOS and EOS ids (those it has): what random prompts must not contain."""
+    return tuple(t for t in (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)) if t is not None)
+
+
 def random_prompts(num: int, input_len: int, vocab: int, seed: int, special: tuple[int, ...] = ()) -> list[list[int]]:
     """`num` prompts of `input_len` random ids (avoiding special ids), reproducible from `seed`."""
     rng = random.Random(seed)

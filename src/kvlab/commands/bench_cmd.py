@@ -39,7 +39,7 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
 
 def run_throughput(args: argparse.Namespace) -> int:
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.throughput import random_prompts, run_engine, run_generate
+    from kvlab.bench.throughput import random_prompts, run_engine, run_generate, special_ids
     from kvlab.checkpoints.resolve import resolve_model_path
     from kvlab.commands.engine_args import engine_from_args
     from kvlab.train.progress import progress_bar
@@ -51,7 +51,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     for line in engine.capacity_lines:
         print(f"[kvlab] {line}", file=sys.stderr)
     tok = engine.tokenizer
-    special = tuple(t for t in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) if t is not None)
+    special = special_ids(tok)
     # the batched run's prompts, then three of their own for the warm-up and the batch-1 baselines
     # (the first num_prompts are the same whatever the count: random_prompts draws them in order)
     prompts = random_prompts(args.num_prompts + 3, args.input_len, engine.model.config.vocab_size,

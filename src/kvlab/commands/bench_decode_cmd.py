@@ -66,7 +66,7 @@ def run_decode(args: argparse.Namespace) -> int:
     from kvlab.bench.decode_sweep import (grid, kvlab_runner, llama_cpp_runner, roofline_tokens_per_s,
                                           sweep, transformers_runner)
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.throughput import random_prompts
+    from kvlab.bench.throughput import random_prompts, special_ids
     from kvlab.checkpoints.resolve import load_model, resolve_model_path
     from kvlab.studies.store import write_json
     from kvlab.commands.measure_cmd import weight_bytes_read
@@ -102,7 +102,7 @@ def run_decode(args: argparse.Namespace) -> int:
         bandwidth, source = machine_bandwidth_gbs()
     weights = weight_bytes_read(loaded.model)
     tok = loaded.tokenizer
-    special = tuple(t for t in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)) if t is not None)
+    special = special_ids(tok)
     points = grid(args.batch_sizes, args.contexts, args.full_grid)
     for run in engines.values():  # warm-up: kernels built, weights paged in
         run(random_prompts(1, 8, config.vocab_size, args.seed + 1, special), 3)

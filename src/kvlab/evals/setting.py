@@ -59,6 +59,13 @@ class KVSetting:
         return " ".join(parts)
 
     @property
+    def in_paged_pool(self) -> bool:
+        """Whether the engine's paged pool stores this format: per-token K/V rows, rotated before caching
+        (not KIVI's groups across tokens, KVQuant's or pre-RoPE keys, nor MLA's latent)."""
+        return not (self.pre_rope or self.is_kvquant or self.kv_cache_dtype.startswith("kivi")
+                    or self.mla_rank is not None)
+
+    @property
     def is_kvquant(self) -> bool:
         return self.kv_cache_dtype.startswith("kvquant")
 

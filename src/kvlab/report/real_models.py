@@ -161,8 +161,8 @@ def serving(setting: KVSetting, model=None) -> dict:
 
 def engine_line(setting: KVSetting, model) -> Optional[str]:
     """The engine's own 'Maximum concurrency' start-up line, where its paged pool serves the setting."""
-    if setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi") or setting.mla_rank:
-        return None  # the paged pool holds per-token K/V rows (MLA's latent is not paged)
+    if not setting.in_paged_pool:
+        return None
     from kvlab.engine.engine import EngineConfig, LLMEngine
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
                                                  max_model_len=SERVE_CONTEXT, fused=False, kv_window=setting.window,
@@ -210,8 +210,9 @@ def uptrain_line(out: Path) -> str:
             "after uptraining.")
 
 
-def table_line(row: dict, base: Optional[float], out: Path) -> str:
-    """One setting's row of the main table, from its summary (`summarise` plus the serving figures)."""
+def table_line(row: dict, base: Optional[float], measured: dict) -> str:
+    """One setting's row of the main table, from its summary (`summarise` plus the serving figures) and
+    the engine throughput runs by label (engine_throughput.json's rows)."""
     ppl = row["perplexity"]
     delta = "–" if ppl is None or base is None else f"{(ppl / base - 1) * 100:+.2f}%"
     depth = [fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS]
@@ -220,7 +221,7 @@ def table_line(row: dict, base: Optional[float], out: Path) -> str:
     engine = "–" if line is None else line.split(": ", 1)[-1]
     return (f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
             f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
-            + " | ".join(seats) + f" | {engine} | {throughput.cell(out, row['label']) or '–'} |")
+            + " | ".join(seats) + f" | {engine} | {throughput.cell(measured.get(row['label'])) or '–'} |")
 
 
 def render(out: Path) -> None:
@@ -231,14 +232,13 @@ def render(out: Path) -> None:
 
     store = json.loads((out / "results.json").read_text())
     loaded = load_model(MODEL, torch.float32, "dense")
-    rows = []
+    rows, measured = [], throughput.load(out)["rows"]
     for setting in SETTINGS:
         row = summarise(store, setting)
         model = build_model(loaded, setting)
         row["serving"] = serving(setting, model)
         row["engine_capacity_line"] = engine_line(setting, model)
-        row["engine_c16_output_tokens_per_s"] = throughput.load(out)["rows"].get(setting.label, {}).get(
-            "output_tokens_per_s")
+        row["engine_c16_output_tokens_per_s"] = measured.get(setting.label, {}).get("output_tokens_per_s")
         rows.append(row)
     base = rows[0]["perplexity"]
     runs = store["runs"]
@@ -295,7 +295,7 @@ def render(out: Path) -> None:
         + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) | engine tok/s, 16 concurrent |",
         "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|---|",
     ]
-    lines += [table_line(row, base, out) for row in rows]
+    lines += [table_line(row, base, measured) for row in rows]
     lines += ["", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
               "| KV setting | " + " | ".join(f"len {n}" for n in LENGTHS) + " | "
               + " | ".join(f"seed {s}" for s in SEEDS) + " |",

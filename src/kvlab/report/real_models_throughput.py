@@ -27,8 +27,7 @@ FILE = "engine_throughput.json"
 
 def served(setting: KVSetting) -> bool:
     """Whether the engine serves this setting on the unconverted model."""
-    return not (setting.pre_rope or setting.is_kvquant or setting.kv_cache_dtype.startswith("kivi")
-                or setting.kv_heads is not None or setting.mla_rank is not None)
+    return setting.in_paged_pool and setting.kv_heads is None
 
 
 def load(out: Path) -> dict:
@@ -51,7 +50,7 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     import torch
 
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.throughput import random_prompts, run_engine
+    from kvlab.bench.throughput import random_prompts, run_engine, special_ids
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
 
@@ -59,9 +58,7 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     engine = LLMEngine(model, tokenizer, EngineConfig(
         kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
         kv_window=setting.window, sink_tokens=setting.sinks))
-    special = tuple(t for t in (getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None))
-                    if t is not None)
-    prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special)
+    prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special_ids(tokenizer))
     run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
     figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)
     figures["capacity_lines"] = engine.capacity_lines
@@ -74,9 +71,9 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     return figures
 
 
-def cell(out: Path, label: str) -> Optional[str]:
-    """The table's cell for a setting's label: output tok/s and, where it was not the C step, the path."""
-    row = load(out)["rows"].get(label)
+def cell(row: Optional[dict]) -> Optional[str]:
+    """The table's cell for one setting's run (a row of engine_throughput.json, None when not measured):
+    output tok/s and, where it was not the C step, the path."""
     if row is None:
         return None
     path = "" if row["decode_path"] == "fused C step" else f" ({row['decode_path']})"
