@@ -28,6 +28,10 @@ def test_kvquant3_rows_and_fixed_bytes_leave_the_pool_once(capsys) -> None:
     assert result["kv_fixed_bytes"] == 30 * (2 * 8 * 2 + 2 * 3 * 64 * 2)
     usable = result["cache_budget_bytes"] - result["kv_fixed_bytes"]
     assert result["seats"] == usable // result["kv_bytes_per_sequence"]
+    # the model's fixed bytes are part of its cache with or without a card to seat it on
+    assert plan_json(capsys, "--kv-cache-dtype", "kvquant3")["kv_fixed_bytes"] == result["kv_fixed_bytes"]
+    assert main(["plan", "smollm2-135m", "--kv-cache-dtype", "kvquant3"]) == 0
+    assert "KV fixed per model" in capsys.readouterr().out
 
 
 def test_sinks_plus_window_bound_a_sequence_like_a_sliding_layer(capsys) -> None:

@@ -164,13 +164,13 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     if formats.k.residual or formats.v.residual:
         result["inputs"]["kivi_residual"] = formats.k.residual or formats.v.residual
 
+    fixed = capacity.kv_fixed_bytes(spec, formats, tp)
+    if fixed:  # KVQuant's codebooks and key channel statistics: once per model, out of the pool
+        result["kv_fixed_bytes"] = fixed
     budget = _cache_budget(request, weights_per_rank, result)
     if budget is None:
         return result
     result["cache_budget_bytes"] = budget
-    fixed = capacity.kv_fixed_bytes(spec, formats, tp)
-    if fixed:  # KVQuant's codebooks and key channel statistics: once per model, out of the pool
-        result["kv_fixed_bytes"] = fixed
     usable = max(budget - fixed, 0)
     result["kv_cache_tokens"] = capacity.kv_cache_tokens(spec, usable, formats, tp)
     result["concurrency"] = usable / per_sequence if per_sequence else None

@@ -66,6 +66,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     table.add_row("KV bytes per token", _size(result["kv_bytes_per_token"]))
     table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
     table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))
+    if "kv_fixed_bytes" in result:
+        table.add_row("KV fixed per model (codebooks, key ranges)", _size(result["kv_fixed_bytes"]))
     params = model.get("params_total")
     label = "" if params is None else f" ({_params(params)} params{', estimated' if model['params_estimated'] else ''})"
     table.add_row(f"weights{label}", _size(result["weight_bytes"]))
