@@ -101,8 +101,9 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
     fp16 = cache_formats("fp16")
     before, after = source.model.config, model.config
+    pooled = bool(args.kv_heads) and after.kv_heads != before.kv_heads  # asked for the heads it has: a copy
     report = {
-        "source": source.path, "out": args.out, "files": files, "method": args.method if args.kv_heads else None,
+        "source": source.path, "out": args.out, "files": files, "method": args.method if pooled else None,
         "heads": after.n_heads, "kv_heads_before": before.kv_heads,
         "kv_heads_after": after.kv_heads if after.attention == "gqa" else None,
         "kv_bytes_per_token_fp16_before": kv_bytes_per_token(before.to_plan_spec(), fp16),
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
               + ("; exact" if conversion.exact else "; approximate"))
     else:
         print(f"{report['source']} -> {args.out}: {after.n_heads} query heads, KV heads {before.kv_heads} -> "
-              f"{after.kv_heads}" + (f" ({args.method})" if args.kv_heads else ""))
+              f"{after.kv_heads}" + (f" ({args.method})" if pooled else " (unchanged)"))
     print(f"KV cache per token (fp16): {report['kv_bytes_per_token_fp16_before']:,} B -> "
           f"{report['kv_bytes_per_token_fp16_after']:,} B; {report['params']:,} parameters")
     print(f"wrote {', '.join(files)}")
