@@ -107,8 +107,27 @@ def test_sliding_layers_use_the_local_rope_table():
     model = tiny_model()
     assert model.rope_for(0) is model.rope_local and model.rope_for(2) is model.rope
     assert (model.rope_local.base, model.rope.base) == (1e4, 1e6)
-    with pytest.raises(CacheError, match="pre-RoPE"):
-        model.new_cache(1, 8, pre_rope=True)
+
+
+def test_a_pre_rope_cache_rotates_each_layer_with_its_own_table():
+    model = tiny_model()
+    tokens = torch.randint(0, 97, (1, 2 * WINDOW + 3), generator=torch.Generator().manual_seed(5))
+
+    def stepped(cache):
+        model(tokens[:, :5], cache)
+        return torch.stack([model(tokens[:, i:i + 1], cache)[0, -1] for i in range(5, tokens.shape[1])])
+
+    with torch.no_grad():
+        whole = model(tokens)[0, 5:]
+        cache = model.new_cache(1, 64, "fp32", pre_rope=True)  # keys stored raw, rotated on read
+        assert cache.pre_rope and not isinstance(cache, SinkWindowCache)
+        assert torch.allclose(stepped(cache), whole, atol=1e-5)
+        one_table = model.new_cache(1, 64, "fp32", pre_rope=True)
+        one_table.rope = model.rope.at  # every layer with the global table: the sliding layers' keys go wrong
+        assert not torch.allclose(stepped(one_table), whole, atol=1e-3)
+    with pytest.raises(CacheError, match="one rope function per layer"):
+        from kvlab.cache.factory import make_cache
+        make_cache("fp32", 3, 1, 1, 16, 16, 8, pre_rope=True, rope=model.layer_ropes()[:2])
 
 
 def test_each_gemma_extra_changes_the_logits():

@@ -9,7 +9,7 @@ pre-RoPE option and the checks behave the same in every cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -87,17 +87,20 @@ class KVCache(CacheStore):
 
     With `pre_rope` the attention passes keys before RoPE (KVQuant): quantisation then sees
     the raw channels, whose outliers sit in fixed channels, and the cache applies `rope` at
-    positions 0..T-1 after dequantising.
+    positions 0..T-1 after dequantising. `rope` is one function, or one per layer for a model
+    whose layers rotate with different tables (Gemma 3's sliding and global layers).
     """
 
     kv_format: Optional[KVFormat] = None  # the plan's format, set by make_cache
 
     def __init__(self, shape: KVShape, compute_dtype: torch.dtype = torch.float32, pre_rope: bool = False,
-                 rope: Optional[Rope] = None, device: torch.device | str | None = None) -> None:
+                 rope: Union[Rope, Sequence[Rope], None] = None, device: torch.device | str | None = None) -> None:
         super().__init__(shape.num_layers)
         model_dtype_name(compute_dtype)
         if pre_rope and rope is None:
             raise CacheError("pre_rope=True needs a rope(x, positions) function to apply on read")
+        if isinstance(rope, (list, tuple)) and len(rope) != shape.num_layers:
+            raise CacheError(f"one rope function per layer: got {len(rope)} for {shape.num_layers} layers")
         self.shape = shape
         self.compute_dtype = compute_dtype
         self.pre_rope = pre_rope
@@ -122,7 +125,8 @@ class KVCache(CacheStore):
         self._lengths[layer] = end
         keys, values = self._load(layer, end)
         if self.pre_rope:
-            keys = self.rope(keys, torch.arange(end, device=keys.device))
+            rope = self.rope[layer] if isinstance(self.rope, (list, tuple)) else self.rope
+            keys = rope(keys, torch.arange(end, device=keys.device))
         return keys.to(self.compute_dtype), values.to(self.compute_dtype)
 
     def window_mask(self, layer_idx: int, new_tokens: int) -> Optional[Tensor]:

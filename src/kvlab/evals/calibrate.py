@@ -9,7 +9,7 @@ information's diagonal, KVQuant's sensitivity weighting); without, every value c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,8 @@ class CaptureCache:
 
     pre_rope = True
 
-    def __init__(self, num_layers: int, rope: Callable[[Tensor, Tensor], Tensor], keep_grad: bool) -> None:
-        self.rope, self.keep_grad = rope, keep_grad
+    def __init__(self, num_layers: int, ropes: Sequence[Callable[[Tensor, Tensor], Tensor]], keep_grad: bool) -> None:
+        self.ropes, self.keep_grad = ropes, keep_grad  # each layer's rotation
         self.k: list[Optional[Tensor]] = [None] * num_layers
         self.v: list[Optional[Tensor]] = [None] * num_layers
 
@@ -41,7 +41,7 @@ class CaptureCache:
             k.retain_grad()
             v.retain_grad()
         self.k[layer], self.v[layer] = k, v
-        return self.rope(k, torch.arange(k.shape[2], device=k.device)), v
+        return self.ropes[layer](k, torch.arange(k.shape[2], device=k.device)), v
 
 
 def calibration_windows(ids: list[int], context: int, windows: int) -> list[list[int]]:
@@ -60,7 +60,7 @@ def collect(model, windows: list[list[int]], sensitivity: bool,
     try:
         for window in windows:
             ids = torch.tensor([window], dtype=torch.long)
-            capture = CaptureCache(layers, model.rope.at, sensitivity)
+            capture = CaptureCache(layers, model.layer_ropes(), sensitivity)
             if sensitivity:
                 embed.requires_grad_(True)  # so every activation has a graph back to the input
                 with torch.enable_grad():

@@ -87,20 +87,18 @@ def build_model(loaded, setting: KVSetting, seed: int = 0):
 
 def new_cache(model, setting: KVSetting, max_tokens: int, calibration=None):
     """A batch-1 cache for `model` under `setting` (kvquant needs its `calibration`)."""
-    if (setting.is_kvquant or setting.pre_rope) and getattr(model, "rope_local", None) is not None:
-        raise EvalError(f"{setting.label}: pre-RoPE keys are rotated with one RoPE table, and "
-                        f"{model.config.name}'s sliding layers use a second one")
     if setting.is_kvquant:
         from kvlab.cache.kvquant import make_kvquant_cache
         if calibration is None:
             raise EvalError(f"{setting.kv_cache_dtype} needs a calibration: run `kvlab calibrate-kv MODEL --data FILE`")
-        cache = make_kvquant_cache(setting.kv_cache_dtype, calibration, 1, max_tokens, model.dtype, model.rope.at)
+        cache = make_kvquant_cache(setting.kv_cache_dtype, calibration, 1, max_tokens, model.dtype,
+                                   model.layer_ropes())
     elif setting.window is not None:
         from kvlab.cache.window import make_window_cache
         config = model.config
         cache = make_window_cache(setting.kv_cache_dtype, config.n_layers, 1, config.kv_heads, config.head_size,
                                   config.head_size, max_tokens, setting.window, setting.sinks,
-                                  compute_dtype=model.dtype, pre_rope=setting.pre_rope, rope=model.rope.at,
+                                  compute_dtype=model.dtype, pre_rope=setting.pre_rope, rope=model.layer_ropes(),
                                   layer_windows=config.windows)
     else:
         cache = model.new_cache(1, max_tokens, setting.kv_cache_dtype, pre_rope=setting.pre_rope)

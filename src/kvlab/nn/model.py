@@ -147,6 +147,10 @@ class Decoder(nn.Module):
             return self.rope_local
         return self.rope
 
+    def layer_ropes(self) -> list:
+        """Each layer's rotation as a cache's `rope(x, positions)`: what a pre-RoPE cache applies on read."""
+        return [self.rope_for(layer).at for layer in range(self.config.n_layers)]
+
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
                   group_size: Optional[int] = None, residual: Optional[int] = None,
                   paged: bool = False, block_size: int = 16, pre_rope: bool = False):
@@ -157,12 +161,9 @@ class Decoder(nn.Module):
         formats hold every token and the layers mask what is out of their window.
         """
         from kvlab import cache as kv
-        from kvlab.cache.base import CacheError
         from kvlab.plan.kv_formats import FLOAT, GROUP
 
         config = self.config
-        if pre_rope and self.rope_local is not None:
-            raise CacheError("a pre-RoPE cache rotates keys with one RoPE table; this model's sliding layers use another")
         if any(config.windows) and not paged and not pre_rope and \
                 kv.kv_format(kv_cache_dtype, self.dtype, group_size, residual).scheme in (FLOAT, GROUP):
             from kvlab.cache.window import make_window_cache
@@ -176,4 +177,4 @@ class Decoder(nn.Module):
         return kv.make_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
                              config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
                              residual=residual, paged=paged, block_size=block_size, pre_rope=pre_rope,
-                             rope=self.rope.at)
+                             rope=self.layer_ropes())
