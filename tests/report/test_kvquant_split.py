@@ -1,0 +1,33 @@
+"""The K/V split study's cache: one half read back exactly as given, the other as the format rounds it."""
+
+import pytest
+import torch
+
+from kvlab.cache.kvquant import make_kvquant_cache
+from kvlab.cache.kvquant_calibration import KVQuantCalibration, fit_layer
+from kvlab.report.kvquant_split import with_exact
+
+HEADS, DIM = 2, 16
+
+
+def _cache():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(HEADS, 300, DIM, generator=g) * 3, torch.randn(HEADS, 300, DIM, generator=g)
+    cal = KVQuantCalibration(HEADS, DIM, [fit_layer(k, v)], {})
+    return make_kvquant_cache("kvquant3", cal, 1, 64, torch.float32, lambda x, positions: x)
+
+
+def test_one_half_exact_the_other_as_the_format_rounds_it():
+    g = torch.Generator().manual_seed(1)
+    chunks = [(torch.randn(1, HEADS, n, DIM, generator=g) * 3, torch.randn(1, HEADS, n, DIM, generator=g))
+              for n in (5, 1, 3)]
+    plain, keys, values = _cache(), with_exact(_cache(), "keys"), with_exact(_cache(), "values")
+    for k, v in chunks:
+        rounded, with_keys, with_values = plain.update(0, k, v), keys.update(0, k, v), values.update(0, k, v)
+    given_k, given_v = (torch.cat(half, 2) for half in zip(*chunks))
+    assert not torch.equal(rounded[0], given_k) and not torch.equal(rounded[1], given_v)  # 3 bits do round
+    assert torch.equal(with_keys[0], given_k) and torch.equal(with_keys[1], rounded[1])
+    assert torch.equal(with_values[0], rounded[0]) and torch.equal(with_values[1], given_v)
+    assert keys.nbytes() == plain.nbytes()  # it still stores (and counts) the format's rows
+    with pytest.raises(ValueError):
+        with_exact(_cache(), "both")
