@@ -5,7 +5,7 @@ import torch
 
 from kvlab.cache.kvquant import make_kvquant_cache
 from kvlab.cache.kvquant_calibration import KVQuantCalibration, fit_layer
-from kvlab.report.kvquant_split import with_exact
+from kvlab.report.kvquant_split import key_outliers, with_exact
 
 HEADS, DIM = 2, 16
 
@@ -29,5 +29,10 @@ def test_one_half_exact_the_other_as_the_format_rounds_it():
     assert torch.equal(with_keys[0], given_k) and torch.equal(with_keys[1], rounded[1])
     assert torch.equal(with_values[0], rounded[0]) and torch.equal(with_values[1], given_v)
     assert keys.nbytes() == plain.nbytes()  # it still stores (and counts) the format's rows
+    pool = key_outliers([keys])
+    outside = int((keys.k_rows[0].normalise(given_k[:, :, 1:]).abs() > 1).sum())  # past the fp16 sink token
+    assert pool == {"key_values": HEADS * 8 * DIM, "outside_range": outside,
+                    "kept_exact": int(keys.k_rows[0].counts.long().sum())}
+    assert 0 < pool["kept_exact"] <= pool["outside_range"]
     with pytest.raises(ValueError):
         with_exact(_cache(), "both")

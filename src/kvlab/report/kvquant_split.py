@@ -40,7 +40,21 @@ def with_exact(cache, half: str):
         return (exact_k.to(k.dtype), v) if half == "keys" else (k, exact_v.to(v.dtype))
 
     cache._store, cache._load = _store, _load  # instance attributes: this cache only
+    cache.given = given  # what it was given, per layer: for `key_outliers`
     return cache
+
+
+def key_outliers(caches: list) -> dict:
+    """Over KVQuant caches wrapped by `with_exact`: how many key values (past the fp16 sink tokens) fell
+    outside their channel's calibrated range, and how many of them the outlier pools kept exact."""
+    values = outside = kept = 0
+    for cache in caches:
+        for layer, rows in enumerate(cache.k_rows):
+            keys = cache.given[layer][0][:, :, cache.sink_tokens:]
+            values += keys.numel()
+            outside += int((rows.normalise(keys).abs() > 1).sum())
+            kept += int(rows.counts.long().sum())
+    return {"key_values": values, "outside_range": outside, "kept_exact": kept}
 
 
 def main(argv=None) -> int:
@@ -70,13 +84,18 @@ def main(argv=None) -> int:
             **{f"{args.kv_cache_dtype}, exact {half}": (lambda n, h=half: with_exact(new_cache(model, quant, n,
                                                                                                 calibration), h))
                for half in EXACT}}
-    rows = {}
+    rows, made = {}, {}
     for label, make in runs.items():
-        rows[label] = perplexity(model, windows, make, CHUNK)
+        made[label] = []
+        rows[label] = perplexity(model, windows, lambda n, make=make, into=made[label]: into.append(make(n)) or into[-1],
+                                 CHUNK)
         change = rows[label]["perplexity"] / rows["fp16"]["perplexity"] - 1
         print(f"{label:>28}: perplexity {rows[label]['perplexity']:.3f} ({change:+.2%} vs fp16)", file=sys.stderr)
+    pool = key_outliers(made[f"{args.kv_cache_dtype}, exact keys"])
+    print(f"key values outside their channel's range: {pool['outside_range'] / pool['key_values']:.2%}, kept exact: "
+          f"{pool['kept_exact'] / pool['key_values']:.2%} of all", file=sys.stderr)
     doc = {"model": report.MODEL, "text": EVAL_TEXT, "context": CONTEXT, "windows": WINDOWS, "chunk": CHUNK,
-           "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": rows,
+           "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": rows, "key_outliers": pool,
            "provenance": provenance(args.threads)}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
