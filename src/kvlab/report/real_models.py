@@ -140,6 +140,8 @@ def run(jobs: list, started: float, max_seconds: float, threads: int) -> None:
     from kvlab.bench.provenance import provenance
     from kvlab.evals.runner import PasskeyTask, PerplexityTask
 
+    if time.monotonic() - started > max_seconds:
+        return  # no time for a cell: no run to record
     total = sum(e.pending(s, t) for e, s, t in jobs)
     stores = {id(e.store): e.store for e, s, t in jobs if e.pending(s, t)}
     for store in stores.values():
