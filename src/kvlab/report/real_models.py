@@ -230,7 +230,8 @@ def render(out: Path) -> None:
     lines = [
         "# SmolLM2-135M and Gemma 3 270M under every KV setting: quality beside seats per card",
         "",
-        "<!-- Written by `python -m kvlab.report.real_models` from results.json; do not edit by hand. -->",
+        "<!-- Written by `python -m kvlab.report.real_models` from results.json and gemma3-results.json; do not edit "
+        "by hand. -->",
         "",
         "Regenerate (resumable: repeat until it prints `complete`; each run stops after the cell that passes "
         "--max-seconds):",
