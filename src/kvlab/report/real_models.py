@@ -89,9 +89,10 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
         jobs += [(trained, uptrain.SETTING, task) for task in study_tasks(SMOLLM2)]
         run(jobs, started, max_seconds, threads)
     # then Gemma 3, whose cells are all quality cells
-    later = evaluate(out, gemma.STUDY, started, max_seconds, threads) if time.monotonic() - started <= max_seconds else None
-    return (uptrain.finished() and not throughput.pending(out, SETTINGS) and later is not None
-            and all(e.pending(s, t) == 0 for e, s, t in jobs + later))
+    in_time = time.monotonic() - started <= max_seconds
+    gemma_jobs = evaluate(out, gemma.STUDY, started, max_seconds, threads) if in_time else None
+    return (uptrain.finished() and not throughput.pending(out, SETTINGS) and gemma_jobs is not None
+            and all(e.pending(s, t) == 0 for e, s, t in jobs + gemma_jobs))
 
 
 def study_tasks(study: Study) -> list:
@@ -217,15 +218,16 @@ def render(out: Path) -> None:
         rows.append(row)
     base = rows[0]
     path = out / gemma.STUDY.results
-    later = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
-    gemma_rows = [{**summarise(later, s, gemma.STUDY), "serving": serving(s, gemma.STUDY)} for s in gemma.STUDY.settings]
-    runs = store["runs"] + later["runs"]
+    gemma_store = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
+    gemma_rows = [{**summarise(gemma_store, s, gemma.STUDY), "serving": serving(s, gemma.STUDY)}
+                  for s in gemma.STUDY.settings]
+    runs = store["runs"] + gemma_store["runs"]
     doc = {"model": MODEL, "eval_text": EVAL_TEXT, "calibration_text": CALIBRATION_TEXT, "context": CONTEXT,
            "windows": WINDOWS,
            "chunk": CHUNK, "passkey": {"lengths": LENGTHS, "depths": DEPTHS, "trials_per_cell_per_seed": TRIALS,
                                        "seeds": SEEDS}, "serve_context": SERVE_CONTEXT,
            "engine_pool_bytes": ENGINE_MEMORY, "rows": rows, "runs": store["runs"],
-           gemma.STUDY.model: {"passkey_lengths": gemma.STUDY.lengths, "rows": gemma_rows, "runs": later["runs"]}}
+           gemma.STUDY.model: {"passkey_lengths": gemma.STUDY.lengths, "rows": gemma_rows, "runs": gemma_store["runs"]}}
     (out / "serving.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [
         "# SmolLM2-135M and Gemma 3 270M under every KV setting: quality beside seats per card",
