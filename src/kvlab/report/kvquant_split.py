@@ -87,8 +87,8 @@ def main(argv=None) -> int:
     rows, made = {}, {}
     for label, make in runs.items():
         made[label] = []
-        rows[label] = perplexity(model, windows, lambda n, make=make, into=made[label]: into.append(make(n)) or into[-1],
-                                 CHUNK)
+        keep = lambda n, make=make, into=made[label]: into.append(make(n)) or into[-1]  # noqa: E731
+        rows[label] = perplexity(model, windows, keep, CHUNK)
         change = rows[label]["perplexity"] / rows["fp16"]["perplexity"] - 1
         print(f"{label:>28}: perplexity {rows[label]['perplexity']:.3f} ({change:+.2%} vs fp16)", file=sys.stderr)
     pool = key_outliers(made[f"{args.kv_cache_dtype}, exact keys"])

@@ -190,7 +190,8 @@ def uptrain_line(out: Path) -> str:
 
 def table_line(row: dict, base: Optional[dict], measured: dict) -> str:
     """One setting's row of the main table, from its summary (`summarise` plus the serving figures), the
-    fp16 row's (perplexity is given against it) and the engine throughput runs by label (engine_throughput.json's rows)."""
+    fp16 row's (perplexity is given against it) and the engine throughput runs by label (engine_throughput.json's
+    rows)."""
     ppl = row["perplexity"]
     cells = [*change(row, base), *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
     cells += [str(row["serving"][name]) for name in CARDS]
@@ -297,7 +298,8 @@ def render(out: Path) -> None:
     commits = sorted({r.get("git_commit") or "?" for r in runs})
     lines += ["", f"Measured in {len(runs)} run(s) at commit(s) {', '.join(commits)}; machine "
               f"{runs[-1]['machine']['cpu'] if runs else '?'}; seconds per cell, every answer and the provenance of "
-              f"each run are in {SMOLLM2.results} and {gemma.STUDY.results}; serving.json holds the tables' figures.", ""]
+              f"each run are in {SMOLLM2.results} and {gemma.STUDY.results}; serving.json holds the tables' "
+              "figures.", ""]
     (out / "README.md").write_text("\n".join(lines))
 
 
