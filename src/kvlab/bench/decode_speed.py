@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--kvlab-weights", choices=("gguf", "int4", "dense"), default="gguf")
+    parser.add_argument("--kvlab-weights", choices=("gguf", "gguf-a8", "int4", "dense"), default="gguf")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
     args = parser.parse_args(argv)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; prefill {1000 * statistics.median(run['prefill_seconds']):.0f} ms, decode alone "
                      f"{run['decode_only_tokens_per_s']:.1f} tok/s")
         print(line)
-    result = {"benchmark": "decode_speed", "model": args.model, "prompt_tokens": len(prompt),
+    result = {"benchmark": "decode_speed", "model": args.model, "weights": loaded.model.packing, "prompt_tokens": len(prompt),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "statistic": "median of the repeats",
               "runs": runs, "provenance": provenance(args.threads)}
     theirs = [run for run in runs if run["engine"].startswith("transformers")]

@@ -3,7 +3,8 @@
 How the quantised matrices are kept is the packing's choice: "dense" dequantises every
 tensor once at load with `gguf.quants.dequantize` (transformers' arithmetic); "gguf" keeps
 Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks as planes kvlab's C kernels compute on
-(kvlab.checkpoints.gguf_planes, not a weight changed); "int4" hands 4-bit planes to
+(kvlab.checkpoints.gguf_planes, not a weight changed) with int16 activations, and "gguf-a8"
+the same with int8 activations on the 4-bit ones, as llama.cpp computes; "int4" hands 4-bit planes to
 PyTorch's int4 kernel. Tensors a packing cannot hold are dequantised.
 
 llama.cpp's converter stores each head's Q and K rows permuted so its adjacent-pair RoPE
@@ -27,7 +28,7 @@ from torch import nn
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvlab.checkpoints.gguf_planes import BlockPlanes, packed_from_blocks, planes_from_blocks, stack_packed
-from kvlab.nn.ggml import GROUP, Planes, ggml_layer, kernels, stack_planes
+from kvlab.nn.ggml import GROUP, PACKING_OF, Planes, ggml_layer, kernels, stack_planes
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
@@ -228,7 +229,8 @@ def row_order(name: str, config: ModelConfig, rows: int, permuted: bool = True) 
     return _rows(name, config)(torch.arange(rows)[:, None])[:, 0].numpy()
 
 
-PACKINGS = ("dense", "int4", "gguf")
+PACKINGS = ("dense", "int4", *PACKING_OF.values())
+ACTIVATIONS_OF = {packing: activations for activations, packing in PACKING_OF.items()}
 
 
 def block_rows(tensor: StoredTensor) -> np.ndarray:
@@ -253,15 +255,15 @@ def packed_of(tensor: StoredTensor) -> Optional[BlockPlanes]:
 def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelConfig, packing: str,
                   permuted: bool = True) -> Optional[nn.Module]:
     """The layer that computes on `stored` (row-stacked) as the packing keeps it, or None to
-    dequantise it: "gguf" takes any planes, "int4" 4-bit planes of one kind."""
-    if packing not in ("gguf", "int4") or (packing == "gguf" and kernels() is None):
+    dequantise it: "gguf" and "gguf-a8" take any planes, "int4" 4-bit planes of one kind."""
+    if packing not in ("gguf", "gguf-a8", "int4") or (packing != "int4" and kernels() is None):
         return None
-    if packing == "gguf":  # the file's blocks copied once into the kernels' layout (gguf_planes.stack_packed)
+    if packing in ACTIVATIONS_OF:  # the file's blocks copied once into the kernels' layout (gguf_planes.stack_packed)
         blocks = [packed_of(t) for t in stored]
         if any(b is None for b in blocks):
             return None
         return ggml_layer([b.take_rows(row_order(name, config, b.rows, permuted)) for name, b in zip(parts, blocks)],
-                          stack_packed)
+                          stack_packed, ACTIVATIONS_OF[packing])
     planes = [planes_of(t) for t in stored]
     if any(p is None for p in planes):
         return None
@@ -291,7 +293,7 @@ def load_weights(file: GGUFFile, config: ModelConfig, packing: str = "dense"
     state = {"norm.weight": dequantize(tensor("output_norm.weight"))}
     modules: dict[str, nn.Module] = {}
     head = "token_embd" if config.tie_embeddings else "output"
-    layer = packed_linear([head], [tensor(f"{head}.weight")], config, packing) if packing == "gguf" else None
+    layer = packed_linear([head], [tensor(f"{head}.weight")], config, packing) if packing in ACTIVATIONS_OF else None
     if layer is not None:
         modules["lm_head"] = layer
     elif not config.tie_embeddings:
@@ -323,7 +325,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, packing: str = "den
 
     `packing` says how matrices stored quantised are kept: "dense" dequantises everything into
     `dtype`; "gguf" keeps Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks as planes and computes on them
-    (GGMLLinear, the fastest at batch 1); "int4" keeps 4-bit matrices (Q4_0/Q4_1/Q4_K) for
+    (GGMLLinear, on int16 activations: the dense model's greedy tokens), "gguf-a8" the same with
+    int8 activations on the 4-bit ones as llama.cpp (the fastest); "int4" keeps 4-bit matrices (Q4_0/Q4_1/Q4_K) for
     PyTorch's int4 kernel (Int4Linear). Matrices a packing cannot hold are dequantised;
     activations, norms and the KV cache are in `dtype` either way.
     """

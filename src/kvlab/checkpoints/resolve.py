@@ -104,7 +104,7 @@ def load_checkpoint(name: str, dtype: "Optional[torch.dtype]" = None, packing: s
 
     (Not kvlab.plan.loaders.load_model, which reads only a model's shape for the planner.)
 
-    `packing` ("dense", "gguf", "int4") says how a GGUF's quantised matrices are kept (see
+    `packing` ("dense", "gguf", "gguf-a8", "int4") says how a GGUF's quantised matrices are kept (see
     kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
     """
     import torch

@@ -13,7 +13,7 @@ PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", default="auto", choices=("auto", "gguf", "dense", "int4"),
+    model.add_argument("--weights", default="auto", choices=("auto", "gguf", "gguf-a8", "dense", "int4"),
                        help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
     model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
     model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")

@@ -35,6 +35,12 @@ class QMatrix(ctypes.Structure):
                 ("codes8", _ptr), ("d8", _ptr), ("m8", _ptr)]
 
 
+class QActs(ctypes.Structure):
+    """ggml_gemv.h's qacts: activations quantised per 32-value block (int16 codes and scales, exact
+    sums, int8 codes, scales and sum errors), one array each."""
+    _fields_ = [("q", _ptr), ("d", _ptr), ("s", _ptr), ("q8", _ptr), ("d8", _ptr), ("e8", _ptr)]
+
+
 class QStack(ctypes.Structure):
     """ggml_gemv.h's qstack: up to three matrices whose outputs sit side by side."""
     _fields_ = [("part", QMatrix * 3), ("parts", _int)]
@@ -58,7 +64,7 @@ class LlamaModel(ctypes.Structure):
                 ("lm_head", QMatrix)]
 
 
-MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qstack": QStack, "kv_plane": KVPlane,
+MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qacts": QActs, "qstack": QStack, "kv_plane": KVPlane,
                                               "llama_layer": LlamaLayer, "llama_model": LlamaModel}
 
 

@@ -5,7 +5,7 @@ worth of arithmetic each; driven module by module from Python the calls, allocat
 thread start-ups around them cost more than the products. `FusedDecodeStep` hands the
 model's weights, the cache's buffers and the RoPE tables to csrc/llama_decode.c once, and each
 step is then one call. It computes what `Decoder.forward` computes with GGMLLinear layers
-(same int16 activations, same fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
+(the same activation codes, fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
 kvlab.cache ContiguousCache the model would have used (fp32, fp16 or bf16 rows), and advances
 its length, so the module path can take over at any step. `fused_step_for` says why not when it cannot apply.
 

@@ -2,13 +2,21 @@
 
 The weights keep the file's values, rearranged as planes (`Planes`: integer codes plus fp32
 scales, and offsets, per group of 16 or 32 weights; kvlab.checkpoints.gguf_planes builds them
-from Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks), and each call quantises the activations to int16
-per 32-element block, so every block's dot product is an integer one (csrc/ggml_gemv.c,
-AVX2 madd). llama.cpp quantises activations to int8 instead (one maddubs per block, a
-little faster), which costs about 0.5% relative error per product: enough to flip near-tied
-tokens of SmolLM2 (its answer to "What is the capital of France?" began "L'Étoile..." with
-int8 activations). With int16 the error is about 5e-5 and SmolLM2's greedy tokens are the
-dense model's.
+from Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks), and each call quantises the activations per
+32-element block, so every block's dot product is an integer one (csrc/ggml_gemv.c). Two
+precisions, chosen per layer (`GGMLLinear(activations=...)`, the "gguf" and "gguf-a8"
+packings):
+- int16 (vpmaddwd), the default: about 5e-5 of relative error per product, and SmolLM2's
+  greedy tokens are the dense model's.
+- int8, llama.cpp's arithmetic for 4-bit blocks (`--weights gguf-a8`): one vpmaddubsw does 32
+  multiply-adds (csrc/ggml_gemm_x8.c, kind 3), and SmolLM2's Q4_1 products ran 1.2-1.5x faster
+  at 8 to 128 rows. It costs about 3e-3 of relative error per product (each block's exact sum
+  and its rounding error are carried, half the error of llama.cpp's sums from the codes): on
+  2,047 tokens of Frankenstein SmolLM2's perplexity rose 0.12% (26.70 to 26.73) and 95.7% of
+  its greedy next-token choices stayed the dense model's, but near-ties flip: `kvlab generate
+  --chat` answers "What is the capital of France?" with "L'Étoile, la Marseillaise, ..." where
+  int16 answers "The capital of France is Paris.". Hence not the default.
+Q8_0 and Q6_K blocks always meet int16 activations: on AVX2 their int8 products are no faster.
 
 A batch-1 decode step streams about a fifth of the fp32 bytes: on one core of this
 project's CPU SmolLM2's 121 products take about 12 ms in all against about 37 ms as fp32
@@ -74,7 +82,7 @@ def kernels_unavailable() -> Optional[str]:
 def prompts_on_float_gemm() -> bool:
     """Whether prompts (PROMPT_ROWS rows or more) should multiply as fp32 on the dequantised matrix.
 
-    The interleaved int16 kernel is AVX2 only. On the AVX2 EPYC this was measured on it matches
+    The interleaved integer kernels are AVX2 only. On the AVX2 EPYC this was measured on it matches
     PyTorch's fp32 GEMM at 2,048 rows and beats it below; where PyTorch has AVX-512, its fp32
     GEMM has twice the lanes while this kernel does not, and an earlier AVX-512 machine of this
     project prefilled SmolLM2 about 2.7 times faster through that GEMM than this one does
@@ -150,6 +158,7 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.kvlab_fp8_encode.argtypes, lib.kvlab_fp8_encode.restype = [i32, ptr, ptr, ctypes.c_size_t], None
     lib.kvlab_int8_quantize.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr]
     lib.kvlab_int8_quantize.restype = None
+    lib.quantize_act.argtypes, lib.quantize_act.restype = [ptr, ctypes.c_size_t, ptr], None
     from kvlab.nn.c_abi import abi_mismatches, abi_table
 
     problems = abi_mismatches(abi_table(lib))
@@ -160,6 +169,11 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
 
 GROUP = {"q4_1": 32, "q8_0": 32, "q6_k": 16}  # weights per scale in each planes kind
 KIND_IDS = {"q4_1": 0, "q8_0": 1, "q6_k": 2}  # the C side's `kind`
+INT8_KIND_IDS = {"q4_1": 3}  # ... where activations are int8 (the others' products gain nothing from it)
+ACTIVATIONS = ("int8", "int16")
+# The packing each activation precision gives a model (Decoder.packing): "gguf" keeps int16
+# activations throughout (the default), "gguf-a8" computes as llama.cpp does (int8 on 4-bit blocks).
+PACKING_OF = {"int16": "gguf", "int8": "gguf-a8"}
 
 
 @dataclass
@@ -248,12 +262,18 @@ def stack_planes(parts: list[Planes]) -> Planes:
 
 class GGMLLinear(nn.Module):
     """y = x W^T with W [out, in] held as planes (codes, per-group fp32 scales and offsets):
-    GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks rearranged without changing a weight."""
+    GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks rearranged without changing a weight.
 
-    packing = "gguf"
+    `activations` is the precision x is quantised to per 32 values for "q4_1" planes: "int16"
+    (the default: the dense model's greedy tokens) or "int8" (llama.cpp's arithmetic: SmolLM2's
+    products 1.2-1.5x faster, its perplexity +0.12%). Q8_0 and Q6_K planes always meet int16
+    activations (ggml_gemv.h's qacts)."""
 
-    def __init__(self, planes: "Planes | PackedPlanes"):
+    def __init__(self, planes: "Planes | PackedPlanes", activations: str = "int16"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations are {' or '.join(ACTIVATIONS)}, not {activations!r}")
+        self.activations, self.packing = activations, PACKING_OF[activations]
         if isinstance(planes, Planes):
             kind, (rows, cols) = planes.kind, planes.codes.shape
             if kind not in GROUP:
@@ -267,7 +287,7 @@ class GGMLLinear(nn.Module):
         if kernels() is None:
             raise RuntimeError("the GGML kernels are unavailable on this machine (no C compiler or no AVX2)")
         self.kind, self.in_features, self.out_features = planes.kind, planes.cols, planes.rows
-        self.kind_id = KIND_IDS[planes.kind]
+        self.kind_id = (INT8_KIND_IDS if activations == "int8" else KIND_IDS).get(planes.kind, KIND_IDS[planes.kind])
         if planes.offsets is not None:
             self.register_buffer("offsets", planes.offsets)
         else:
@@ -326,7 +346,8 @@ class GGMLLinear(nn.Module):
         return dense
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
+                f"activations={self.activations}")
 
 
 class GGMLStack(nn.Module):
@@ -334,12 +355,13 @@ class GGMLStack(nn.Module):
     model (Q, K and V rows; gate and up rows), separate planes to the kernels. llama.cpp's
     Q4_K_M files mix kinds within a stack (Q4_K queries and keys beside Q6_K values)."""
 
-    packing = "gguf"
-
     def __init__(self, parts: list[GGMLLinear]):
         super().__init__()
         if len({part.in_features for part in parts}) != 1:
             raise ValueError("stacked parts must share their input width")
+        if len({part.packing for part in parts}) != 1:
+            raise ValueError("stacked parts must share their activations")
+        self.packing = parts[0].packing
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(part.out_features for part in parts)
 
@@ -354,7 +376,8 @@ class GGMLStack(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def ggml_layer(parts: list, stack: Optional[Callable[[list], "Planes | PackedPlanes"]] = None) -> nn.Module:
+def ggml_layer(parts: list, stack: Optional[Callable[[list], "Planes | PackedPlanes"]] = None,
+               activations: str = "int16") -> nn.Module:
     """Row-stacked planes as one layer: consecutive parts of one kind share a GGMLLinear, and a
     GGMLStack lays kinds side by side where they differ. `stack` joins a run of one kind
     (default `stack_planes`, for `Planes`; loaders pass kvlab.checkpoints.gguf_planes.stack_packed)."""
@@ -364,10 +387,28 @@ def ggml_layer(parts: list, stack: Optional[Callable[[list], "Planes | PackedPla
             groups[-1].append(part)
         else:
             groups.append([part])
-    layers = [GGMLLinear((stack or stack_planes)(group)) for group in groups]
+    layers = [GGMLLinear((stack or stack_planes)(group), activations) for group in groups]
     return layers[0] if len(layers) == 1 else GGMLStack(layers)
 
 
 def address(tensor: Optional[torch.Tensor]) -> Optional[int]:
     """A tensor's address as the C functions take it, None (NULL) for no tensor."""
     return tensor.data_ptr() if tensor is not None else None
+
+
+def quantize_activations(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The C kernels' quantisation of fp32 activations x [..., k] (k a multiple of 32), per
+    32-value block: "q" int16 codes and "d" their scales, "s" exact sums, "q8" int8 codes,
+    "d8" their scales and "e8" each sum minus d8 times its codes' sum (ggml_gemv.h's qacts).
+    What a product's exact integer reference is computed from (tests/nn/test_ggml.py)."""
+    from kvlab.nn.c_abi import QActs
+
+    x = x.detach().float().contiguous()
+    if x.shape[-1] % 32:
+        raise ValueError(f"activations come in blocks of 32 values, got {x.shape[-1]} per row")
+    blocks = x.numel() // 32
+    out = {"q": torch.empty(x.numel(), dtype=torch.int16), "q8": torch.empty(x.numel(), dtype=torch.int8),
+           **{name: torch.empty(blocks) for name in ("d", "s", "d8", "e8")}}
+    acts = QActs(*(out[name].data_ptr() for name in ("q", "d", "s", "q8", "d8", "e8")))
+    kernels().quantize_act(x.data_ptr(), x.numel(), ctypes.byref(acts))
+    return out

@@ -22,6 +22,10 @@ def _engine(result: dict, prefix: str) -> dict:
     return next(run for run in result["runs"] if run["engine"].startswith(prefix))
 
 
+# What each kvlab packing quantises activations to (older results record no packing: "gguf").
+ACTIVATIONS = {"gguf": "int16 activations", "gguf-a8": "int8 activations on the Q4_1 blocks, int16 on the Q8_0 ones"}
+
+
 def _commit(result: dict) -> str:
     prov = result["provenance"]
     commit = (prov.get("git_commit") or "unknown")[:7]
@@ -49,7 +53,8 @@ def render(folder: Path) -> str:
         f"Same GGUF file for every engine (transformers via `gguf_file=`), the same {first['prompt_tokens']}-token "
         f"prompt, exactly {first['new_tokens']} new tokens, prefill included in the time, "
         f"{first['statistic']} ({first['repeats']} timed runs after a warm-up), the engines taking turns. kvlab "
-        "computes on the file's Q4_1/Q8_0 blocks (kvlab.nn.ggml, int16 activations) and runs twice: with each decode "
+        f"computes on the file's Q4_1/Q8_0 blocks (kvlab.nn.ggml, {ACTIVATIONS[first.get('weights', 'gguf')]}) "
+        "and runs twice: with each decode "
         "step fused into one C call (kvlab.nn.fused_decode, what `generate` does by default) and module by module. "
         "transformers dequantises to fp32 or bf16.", "",
     ]

@@ -19,6 +19,8 @@ typedef struct {
 static const abi_entry ABI[] = {
     SIZE(qmatrix), FIELD(qmatrix, kind), FIELD(qmatrix, n), FIELD(qmatrix, k), FIELD(qmatrix, codes),
     FIELD(qmatrix, d), FIELD(qmatrix, m), FIELD(qmatrix, codes8), FIELD(qmatrix, d8), FIELD(qmatrix, m8),
+    SIZE(qacts), FIELD(qacts, q), FIELD(qacts, d), FIELD(qacts, s), FIELD(qacts, q8), FIELD(qacts, d8),
+    FIELD(qacts, e8),
     SIZE(qstack), FIELD(qstack, part), FIELD(qstack, parts),
     SIZE(kv_plane), FIELD(kv_plane, data), FIELD(kv_plane, scale), FIELD(kv_plane, zero),
     FIELD(kv_plane, fp8_scale),

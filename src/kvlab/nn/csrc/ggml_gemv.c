@@ -2,8 +2,9 @@
  *
  * Activations are quantised per 32-element block to int16 with one float scale, so each
  * block's dot product is integer: 32 multiply-adds in two madd instructions on the codes
- * widened to int16, then one float multiply-add by the two blocks' scales. (llama.cpp uses
- * int8 activations and maddubs: a little faster, 250 times coarser.)
+ * widened to int16, then one float multiply-add by the two blocks' scales. quantize_act also
+ * writes int8 codes, which ggml_gemm_x8.c's kind 3 multiplies Q4_1 weights with (llama.cpp's
+ * arithmetic: faster, 60 times coarser); here kind 3 runs as kind 0, on the int16 codes.
  *
  * Weights are planes (kvlab.nn.ggml.Planes, built from GGUF blocks without changing a
  * weight), so the inner loop does no fp16 work:
@@ -23,10 +24,17 @@
 
 #include "ggml_gemv.h"
 
-/* Block b of x -> qx (int16 codes, 32 per block), dx (its scale), sx (its exact sum), eight
- * lanes at a time: the codes are lrintf's (cvtps rounds to nearest even, as lrintf does in
- * the default mode); the sum is added in a tree rather than in order. */
-static inline void quantize_block(const float *x, long b, int16_t *qx, float *dx, float *sx) {
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Block b of x -> a's int16 codes and scale, int8 codes and scale, and exact sum, eight lanes
+ * at a time: the codes are lrintf's (cvtps rounds to nearest even, as lrintf does in the
+ * default mode); the sum is added in a tree rather than in order. */
+static inline void quantize_block(const float *x, long b, const qacts *a) {
     const float *xb = x + b * QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
@@ -41,23 +49,35 @@ static inline void quantize_block(const float *x, long b, int16_t *qx, float *dx
     const __m256i c0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi)), c1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi)),
                   c2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi)), c3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi));
     /* packs interleaves 128-bit lanes: put the four quarters back in order */
-    _mm256_storeu_si256((__m256i *)(qx + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
-    _mm256_storeu_si256((__m256i *)(qx + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c2, c3), 0xD8));
-    dx[b] = d;
-    sx[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    _mm256_storeu_si256((__m256i *)(a->q + b * QK), _mm256_permute4x64_epi64(_mm256_packs_epi32(c0, c1), 0xD8));
+    _mm256_storeu_si256((__m256i *)(a->q + b * QK + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(c2, c3), 0xD8));
+    a->d[b] = d;
+    a->s[b] = hsum(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+    const float d8 = amax / 127.0f, inv8 = d8 > 0.0f ? 1.0f / d8 : 0.0f;
+    const __m256 vi8 = _mm256_set1_ps(inv8);
+    const __m256i e0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, vi8)), e1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, vi8)),
+                  e2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, vi8)), e3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, vi8));
+    /* two packs leave four-byte groups in the order e0 e1 e2 e3 per 128-bit lane (low halves
+     * in the first lane): one permute of 32-bit lanes puts them back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(e0, e1), _mm256_packs_epi32(e2, e3));
+    _mm256_storeu_si256((__m256i *)(a->q8 + b * QK),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    a->d8[b] = d8;
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(e0, e1), _mm256_add_epi32(e2, e3));
+    a->e8[b] = a->s[b] - d8 * (float)hsum_epi32(total);
 }
 
-void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *dx, float *sx) {
-    for (long b = first; b < last; b++) quantize_block(x, b, qx, dx, sx);
+void quantize_blocks(const float *x, long first, long last, const qacts *a) {
+    for (long b = first; b < last; b++) quantize_block(x, b, a);
 }
 
-/* x[k] -> qx, dx, sx for every block. Blocks are shared out with an orphaned `omp for`, as
+/* x[k] -> a for every block. Blocks are shared out with an orphaned `omp for`, as
  * qmatrix_gemm's rows are: inside the decode step's parallel region every thread quantises
  * (one worked while the other waited, a tenth of a 16-row step), outside it one does all. */
-void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx) {
+void quantize_act(const float *x, size_t k, const qacts *a) {
     const long blocks = (long)(k / QK);
 #pragma omp for schedule(static)
-    for (long b = 0; b < blocks; b++) quantize_block(x, b, qx, dx, sx);
+    for (long b = 0; b < blocks; b++) quantize_block(x, b, a);
 }
 
 /* Block b of output row o, widened to int16: weights 0..15 in *lo, 16..31 in *hi. */
@@ -195,7 +215,7 @@ static void q6_k_row(const qmatrix *w, int o, int rows, const int16_t *qx, const
 
 static inline void gemm_row(const qmatrix *w, int o, int rows, const int16_t *qx, const float *dx, const float *sx,
                             float *y, int ldy, int accumulate) {
-    if (w->kind == 0)
+    if (w->kind == 0 || w->kind == 3) /* kind 3's planes are kind 0's: here on int16 codes, the reference */
         q4_1_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
     else if (w->kind == 1)
         q8_0_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
@@ -203,10 +223,11 @@ static inline void gemm_row(const qmatrix *w, int o, int rows, const int16_t *qx
         q6_k_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
 }
 
-void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
-                  int ldy, int accumulate) {
+void qmatrix_gemm(const qmatrix *w, int rows, const qacts *a, float *y, int ldy, int accumulate) {
+    const int16_t *qx = a->q;
+    const float *dx = a->d, *sx = a->s;
     if (w->codes8) {
-        x8_gemm(w, rows, qx, dx, sx, y, ldy, accumulate);
+        x8_gemm(w, rows, a, y, ldy, accumulate);
     } else if (rows >= DYNAMIC_ROWS) {
 #pragma omp for schedule(dynamic, GEMM_SHARE)
         for (int o = 0; o < w->n; o++) gemm_row(w, o, rows, qx, dx, sx, y, ldy, accumulate);
@@ -221,22 +242,23 @@ int ggml_linear(int kind, const void *codes, const float *d, const float *m, con
                 const float *m8, int n, int k, int rows, const float *x, float *y) {
     const qmatrix w = {kind, n, k, codes, d, m, codes8, d8, m8};
     const size_t blocks = (size_t)rows * (k / QK);
-    int16_t *qx = malloc((size_t)rows * k * sizeof(int16_t));
-    float *dx = malloc(blocks * sizeof(float)), *sx = malloc(blocks * sizeof(float));
-    if (!qx || !dx || !sx) {
-        free(qx), free(dx), free(sx);
-        return -1;
-    }
-    quantize_act(x, (size_t)rows * k, qx, dx, sx);
+    const qacts a = {malloc((size_t)rows * k * sizeof(int16_t)), malloc(blocks * sizeof(float)),
+                     malloc(blocks * sizeof(float)), malloc((size_t)rows * k), malloc(blocks * sizeof(float)),
+                     malloc(blocks * sizeof(float))};
+    const int ok = a.q && a.d && a.s && a.q8 && a.d8 && a.e8;
+    if (ok) {
+        quantize_act(x, (size_t)rows * k, &a);
 #pragma omp parallel if (n >= 256)
-    qmatrix_gemm(&w, rows, qx, dx, sx, y, n, 0);
-    free(qx), free(dx), free(sx);
-    return 0;
+        qmatrix_gemm(&w, rows, &a, y, n, 0);
+    }
+    free(a.q), free(a.d), free(a.s), free(a.q8), free(a.d8), free(a.e8);
+    return ok ? 0 : -1;
 }
 
 /* out[n, k] = the weights W encodes, in fp32: what a prompt's matrix-matrix products use. */
 void ggml_dequantize(int kind, const void *codes, const float *d, const float *m, int n, int k, float *out) {
     const int nb = k / QK;
+    if (kind == 3) kind = 0; /* the same planes */
 #pragma omp parallel for schedule(static) if ((size_t)n * k >= 65536)
     for (int o = 0; o < n; o++) {
         for (int b = 0; b < nb; b++) {

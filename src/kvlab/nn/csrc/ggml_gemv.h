@@ -28,7 +28,7 @@ static inline float dot_f32(const float *a, const float *b, int n) {
 
 /* One matrix W [n, k] as planes (see ggml_gemv.c). */
 typedef struct {
-    int kind; /* 0: "q4_1", 1: "q8_0", 2: "q6_k" (kvlab.nn.ggml.KIND_IDS) */
+    int kind; /* 0: "q4_1", 1: "q8_0", 2: "q6_k", 3: "q4_1" on int8 activations (kvlab.nn.ggml.KIND_IDS) */
     int n, k;
     const void *codes;
     const float *d, *m; /* m: Q4_1 offsets, NULL for Q8_0 */
@@ -37,11 +37,28 @@ typedef struct {
     const float *d8, *m8;
 } qmatrix;
 
-/* x[k] -> int16 codes, a scale per 32-value block and each block's exact sum. */
-void quantize_act(const float *x, size_t k, int16_t *qx, float *dx, float *sx);
+/* Activations quantised per 32-value block, twice: int16 codes q with scale d (what Q8_0 and
+ * Q6_K weights meet: their products are no faster in int8 on AVX2), int8 codes q8 with scale
+ * d8 (what Q4_1 weights meet, in vpmaddubsw: twice the multiply-adds per instruction of
+ * vpmaddwd, as llama.cpp's Q8_1 activations do), each block's exact sum s (Q4_1's offsets)
+ * and e8, s minus the sum the int8 codes stand for (d8 times theirs). Each array holds the
+ * blocks of `rows` rows one after another.
+ *
+ * Why e8: Q4_1's codes q are 0..15, so d * sum q x carries the activations' rounding errors
+ * e times q, about 8 on average: 8 d sum e of it is the block's sum error, known exactly, and
+ * taking it off leaves the error of the centred codes q - 8, half the size. */
+typedef struct {
+    int16_t *q;
+    float *d, *s;
+    int8_t *q8;
+    float *d8, *e8;
+} qacts;
+
+/* x[k] -> a, every block. */
+void quantize_act(const float *x, size_t k, const qacts *a);
 
 /* The same for blocks first .. last - 1 only, on the calling thread (a row's share of a loop). */
-void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *dx, float *sx);
+void quantize_blocks(const float *x, long first, long last, const qacts *a);
 
 /* y[r * ldy + o] (+)= sum_k W[o, k] x[r, k] for r < rows, from x quantised by quantize_act,
  * on the interleaved copy where the qmatrix has one (x8_gemm, at any row count: on SmolLM2 its
@@ -50,8 +67,7 @@ void quantize_blocks(const float *x, long first, long last, int16_t *qx, float *
  * (ldy > n writes into a wider output, as stacked matrices do). Output rows are shared out
  * with an orphaned `omp for`: called inside a parallel region the threads split the work (and
  * meet at its end), called outside it runs on one thread. */
-void qmatrix_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y,
-                  int ldy, int accumulate);
+void qmatrix_gemm(const qmatrix *w, int rows, const qacts *a, float *y, int ldy, int accumulate);
 
 /* The interleaved copy's sizes, and the copy itself (codes8 of x8_codes_bytes, d8 and m8 of
  * x8_scales_count floats; m8 only for "q4_1"). */
@@ -61,8 +77,7 @@ void qmatrix_interleave(int kind, const void *codes, const float *d, const float
                         float *d8, float *m8);
 
 /* qmatrix_gemm on the interleaved copy (same contract). */
-void x8_gemm(const qmatrix *w, int rows, const int16_t *qx, const float *dx, const float *sx, float *y, int ldy,
-             int accumulate);
+void x8_gemm(const qmatrix *w, int rows, const qacts *a, float *y, int ldy, int accumulate);
 
 /* Up to three matrices whose outputs are laid side by side (Q, K, V rows; gate, up rows):
  * stored apart when their kinds differ, as in llama.cpp's Q4_K_M files. */

@@ -34,8 +34,7 @@ typedef struct {
 typedef struct {
     float *normed, *qkv, *att, *gate_up, *act;
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
-    int16_t *qx;
-    float *dx, *sx;
+    qacts qa; /* the activations of the next product, quantised */
     int *unit_first; /* [rows + 1]: row r's attention units are unit_first[r] .. unit_first[r + 1] - 1 */
     int *unit_row;   /* [units]: the row each unit belongs to */
 } scratch;
@@ -57,7 +56,7 @@ static void norm_quantize(const float *x, const float *w, int rows, int dim, flo
         for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
-        quantize_blocks(out, (long)r * (dim / QK), (long)(r + 1) * (dim / QK), s->qx, s->dx, s->sx);
+        quantize_blocks(out, (long)r * (dim / QK), (long)(r + 1) * (dim / QK), &s->qa);
     }
 }
 
@@ -371,7 +370,7 @@ static void combine_heads(const llama_model *m, const paged_view *v, int r, int 
 /* y [rows, width] = x W^T for W stacked from parts, each writing its own columns. */
 static void stack_gemm(const qstack *w, int rows, const scratch *s, float *y, int width) {
     for (int i = 0, at = 0; i < w->parts; at += w->part[i].n, i++)
-        qmatrix_gemm(&w->part[i], rows, s->qx, s->dx, s->sx, y + at, width, 0);
+        qmatrix_gemm(&w->part[i], rows, &s->qa, y + at, width, 0);
 }
 
 static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *v, float *x, scratch *s) {
@@ -400,8 +399,8 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
-    quantize_act(s->att, (size_t)rows * hq * d, s->qx, s->dx, s->sx);
-    qmatrix_gemm(&l->o, rows, s->qx, s->dx, s->sx, x, m->dim, 1); /* the residual add is the accumulate */
+    quantize_act(s->att, (size_t)rows * hq * d, &s->qa);
+    qmatrix_gemm(&l->o, rows, &s->qa, x, m->dim, 1); /* the residual add is the accumulate */
     norm_quantize(x, l->mlp_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->gate_up, rows, s, s->gate_up, 2 * m->hidden);
     const int pieces = (m->hidden + SWIGLU_PIECE - 1) / SWIGLU_PIECE; /* SwiGLU shared out in pieces of each row */
@@ -413,9 +412,9 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
         float *a = s->act + (size_t)r * m->hidden;
         swiglu(gate + lo, up + lo, a + lo, hi - lo);
         const long first = ((long)r * m->hidden + lo) / QK; /* the piece's blocks, quantised by the same thread */
-        quantize_blocks(s->act, first, first + (hi - lo) / QK, s->qx, s->dx, s->sx);
+        quantize_blocks(s->act, first, first + (hi - lo) / QK, &s->qa);
     }
-    qmatrix_gemm(&l->down, rows, s->qx, s->dx, s->sx, x, m->dim, 1);
+    qmatrix_gemm(&l->down, rows, &s->qa, x, m->dim, 1);
 }
 
 kvlab_arena *kvlab_arena_new(void) { return calloc(1, sizeof(kvlab_arena)); }
@@ -460,12 +459,16 @@ static size_t carve(const llama_model *m, int rows, int units, char *base, scrat
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
+        (size_t)rows * attn_width,
+        (size_t)rows * (attn_width / QK) * sizeof(float),
+        (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)(rows + 1) * sizeof(int),
         (size_t)units * sizeof(int),
     };
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
-                      (void **)&s->part_out, (void **)&s->qx, (void **)&s->dx, (void **)&s->sx,
+                      (void **)&s->part_out, (void **)&s->qa.q, (void **)&s->qa.d, (void **)&s->qa.s,
+                      (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
                       (void **)&s->unit_first, (void **)&s->unit_row};
     size_t at = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
@@ -549,7 +552,7 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
         }
         if (n_logits > 0) {
             norm_quantize(x, m->final_norm, n_logits, m->dim, m->eps, s.normed, &s);
-            qmatrix_gemm(&m->lm_head, n_logits, s.qx, s.dx, s.sx, logits, m->vocab, 0);
+            qmatrix_gemm(&m->lm_head, n_logits, &s.qa, logits, m->vocab, 0);
         }
     }
     return 0;
