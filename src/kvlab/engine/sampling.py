@@ -99,19 +99,38 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return x
 
 
+def unfiltered(params: SamplingParams) -> bool:
+    """Whether a sampled row is only scaled by its temperature (no top_k, top_p or min_p cut)."""
+    return not (0 < params.top_k) and params.top_p >= 1.0 and params.min_p <= 0.0
+
+
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[Optional[torch.Generator]], default: torch.Generator) -> list[Sampled]:
-    """One token per row of logits [S, V], each row with its own request's settings."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if p.greedy:
-            token = greedy[row]
-        else:
-            probs = torch.softmax(filtered_logits(logits[row], p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen or default))
-        out.append(drawn(token, logits[row], p))
-    return out
+    """One token per row of logits [S, V], each row with its own request's settings.
+
+    The sampled rows' softmax is one batched call, and the rows drawing from the engine's own
+    generator (no seed of their own) draw in one multinomial call, in row order: at 16 rows,
+    one softmax and one draw per row cost a sixth of a decode step here (SmolLM2's vocabulary
+    is 49,152 tokens). A seeded request draws alone, from its own generator."""
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [row for row, p in enumerate(params) if not p.greedy]
+    if sampled:
+        plain = [row for row in sampled if unfiltered(params[row])]
+        cut = [row for row in sampled if not unfiltered(params[row])]
+        temperatures = torch.tensor([[params[row].temperature] for row in plain], dtype=torch.float32)
+        scaled = [logits[plain].float() / temperatures] if plain else []
+        scaled += [filtered_logits(logits[row], params[row])[None] for row in cut]
+        probs = torch.softmax(torch.cat(scaled), dim=-1)  # rows in the order plain + cut
+        at = {row: i for i, row in enumerate(plain + cut)}
+        shared = [row for row in sampled if generators[row] is None]
+        if shared:
+            draws = torch.multinomial(probs[[at[row] for row in shared]], 1, generator=default)[:, 0].tolist()
+            for row, token in zip(shared, draws):
+                tokens[row] = token
+        for row in sampled:
+            if generators[row] is not None:
+                tokens[row] = int(torch.multinomial(probs[at[row]], 1, generator=generators[row]))
+    return [drawn(token, logits[row], p) for row, (token, p) in enumerate(zip(tokens, params))]
 
 
 def drawn(token: int, logits: torch.Tensor, params: SamplingParams) -> Sampled:
