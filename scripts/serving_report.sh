@@ -6,6 +6,7 @@
 #
 # Pieces (each its own JSON, each under the heavy lock so timings stay honest):
 #   peers128 peers1024  kvlab vs llama.cpp (both interrupt modes), transformers and vLLM servers, one prompt length
+#   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
 #   kv                  kvlab with fp16, fp8 and int8 KV caches          prefix  prefix caching on/off, served
 #   spec                speculative decoding (ngram) on/off              ttft    engine-level prefix TTFT (prefix_ttft)
 #   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 kv prefix spec ttft reliability interop decode"}
+PIECES=${PIECES:-"peers128 peers1024 a8 kv prefix spec ttft reliability interop decode"}
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
 SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
@@ -30,6 +31,10 @@ for piece in $PIECES; do
         # fp16 KV, as llama.cpp's server keeps by default (kvlab's "auto" would be its fp32 activations)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --input-len "${piece#peers}" --max-concurrency 1,4,16,32 \
             --kvlab-args "--kv-cache-dtype fp16" "${COMMON[@]}" --json "$OUT/compare_$piece.json" ;;
+    a8)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama.cpp-serial --input-len 128,1024 \
+            --max-concurrency 16 --kvlab-args "--kv-cache-dtype fp16 --weights gguf-a8" "${COMMON[@]}" \
+            --json "$OUT/compare_a8.json" ;;
     kv)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \
             --peer "kvlab-fp8=$SERVE --kv-cache-dtype fp8" --peer "kvlab-int8=$SERVE --kv-cache-dtype int8" \
