@@ -92,6 +92,9 @@ def test_results_resume_and_skip_finished_cells(loaded, tmp_path, monkeypatch) -
     assert calls == []
     with pytest.raises(EvalError):
         ResultStore(out, {"model": "another"})
+    with pytest.raises(EvalError, match="on dense weights, not gguf-a8"):  # never a dense cell for an int8 run
+        ResultStore(out, {"model": "stories", "weights": "gguf-a8"})
+    assert ResultStore(out, {"model": "stories", "weights": "dense"}).has(task.key(setting))  # older: dense
 
 
 def test_kv_head_conversion_settings_change_the_model(loaded) -> None:

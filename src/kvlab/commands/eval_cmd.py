@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   kvlab eval smollm2-135m --task perplexity,passkey --kv-heads 1 --method first --out eval.json
   kvlab eval smollm2-135m --task passkey --kv-window 256 --sink-tokens 4 --lengths 2048 --depths 0.1
   kvlab eval smollm2-135m --task perplexity --kv-cache-dtype kvquant3   # after kvlab calibrate-kv
+  kvlab eval smollm2-135m --task perplexity --weights gguf-a8 --out a8.json   # the weights' own cost
 
 Perplexity is computed through the cache, --chunk tokens at a time, on --text (default: Mary
 Shelley's Frankenstein from the shared folder's data/english; a well-known novel may be partly
@@ -78,6 +79,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     parser.add_argument("--task", type=task_list, default=["perplexity"], help="perplexity, passkey, or both")
     add_setting_arguments(parser)
+    parser.add_argument("--weights", default="dense", choices=("dense", "gguf", "gguf-a8"),
+                        help="how a GGUF's matrices are computed on (as `kvlab generate`): dense (default, "
+                             "transformers' arithmetic), gguf (its blocks, int16 activations) or gguf-a8 (int8 "
+                             "activations on the 4-bit blocks, as llama.cpp)")
     parser.add_argument("--text", type=Path, help="perplexity text (default: data/english/frankenstein.txt)")
     parser.add_argument("--context", type=positive_int, default=1024, help="tokens per perplexity window (1024)")
     parser.add_argument("--windows", type=positive_int, default=1, help="perplexity windows, consecutive (1)")
@@ -123,14 +128,17 @@ def run(args: argparse.Namespace) -> int:
     from kvlab.checkpoints.resolve import load_model
     from kvlab.evals.calibration_io import calibration_loader
     from kvlab.evals.runner import Evaluator, PasskeyTask, PerplexityTask
+    from kvlab.evals.setting import EvalError
     from kvlab.evals.store import ResultStore
 
     if args.threads:
         torch.set_num_threads(args.threads)
     setting = setting_from_args(args)
     text = args.text or default_text() if "perplexity" in args.task else None
-    loaded = load_model(args.model, torch.float32, "dense")
-    store = ResultStore(args.out, {"model": args.model})
+    if args.weights != "dense" and args.kv_heads:
+        raise EvalError("--kv-heads averages weights into new heads, which needs --weights dense")
+    loaded = load_model(args.model, torch.float32, args.weights)
+    store = ResultStore(args.out, {"model": args.model, "weights": args.weights})
     store.add_run({**provenance(args.threads), "seed": args.seed})
     evaluator = Evaluator(loaded, store, calibration_loader(loaded.path, args.kv_calibration))
     tasks = []

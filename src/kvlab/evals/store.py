@@ -31,6 +31,9 @@ class ResultStore:
                 raise EvalError(f"{self.path} is not a kvlab eval results file; move it or pick another --out")
             if old.get("model") != header.get("model"):
                 raise EvalError(f"{self.path} holds results for {old.get('model')!r}, not {header.get('model')!r}")
+            if old.get("weights", "dense") != header.get("weights", "dense"):  # older files: dense weights
+                raise EvalError(f"{self.path} holds results on {old.get('weights', 'dense')} weights, not "
+                                f"{header.get('weights', 'dense')}; pick another --out")
             self.data["runs"], self.data["cells"] = old.get("runs", []), old["cells"]
 
     def has(self, key: str) -> bool:

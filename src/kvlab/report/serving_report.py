@@ -269,7 +269,7 @@ def render(folder: Path) -> str:
                              "`kvlab serve --kv-cache-dtype fp16 --weights gguf-a8` (`kvlab`): the 4-bit blocks' "
                              "products on int8 activations, as llama.cpp's own are, against llama.cpp's server with "
                              "`--interrupt_requests False`, the best peer above, at concurrency 16, taking turns. "
-                             "(int8 activations cost SmolLM2 0.12% of perplexity and flip near-tied tokens; the "
+                             "(int8 activations cost SmolLM2 0.40% of perplexity and flip near-tied tokens; the "
                              "project README says more.)", "a8")
     lines += [*target_lines(a8), ""] if a8 is not None else []
     lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",

@@ -241,25 +241,16 @@ static inline __attribute__((always_inline)) void x8_rows(const qmatrix *w, cons
     }
 }
 
-static void x8_rows_q4_1(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,
-                         int accumulate) {
-    x8_rows(w, 0, g, first, last, a, y, ldy, accumulate);
-}
-
-static void x8_rows_q4_1_int8(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,
-                              int accumulate) {
-    x8_rows(w, 3, g, first, last, a, y, ldy, accumulate);
-}
-
-static void x8_rows_q8_0(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,
-                         int accumulate) {
-    x8_rows(w, 1, g, first, last, a, y, ldy, accumulate);
-}
-
-static void x8_rows_q6_k(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,
-                         int accumulate) {
-    x8_rows(w, 2, g, first, last, a, y, ldy, accumulate);
-}
+/* One entry point per kind, each with its kind a constant so x8_rows inlines without a kind test. */
+#define X8_ROWS_OF(name, kind)                                                                              \
+    static void name(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,     \
+                     int accumulate) {                                                                  \
+        x8_rows(w, kind, g, first, last, a, y, ldy, accumulate);                                           \
+    }
+X8_ROWS_OF(x8_rows_q4_1, 0)
+X8_ROWS_OF(x8_rows_q8_0, 1)
+X8_ROWS_OF(x8_rows_q6_k, 2)
+X8_ROWS_OF(x8_rows_q4_1_int8, 3)
 
 /* Units of work are (row chunk, share of groups), handed out as threads ask: a thread
  * descheduled by other work on the machine then holds up one unit, not half the product. */
