@@ -107,6 +107,12 @@ void qmatrix_interleave(int kind, const void *codes, const float *d, const float
     }
 }
 
+/* An empty asm that claims to change v: the compiler must have v in a register here and may not
+ * move the adds into it across this point. Without it GCC reassociates each block's integer
+ * adds into a tree of all the tile's products and spills them to the stack (48 256-bit stores
+ * and loads per block at six rows, measured in its assembly). */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+
 /* Four bytes (an int16 pair, or four int8 activations) at q, in every 32-bit lane. */
 static inline __m256i lane_bcast(const void *q) {
     int32_t v;
@@ -148,6 +154,7 @@ static inline __attribute__((always_inline)) void x8_tile_int8(const qmatrix *w,
             for (int r = 0; r < R; r++) {
                 dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, lane_bcast(qb[r] + 8 * p)));
                 dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, lane_bcast(qb[r] + 8 * p + 4)));
+                KEEP_IN_REGISTER(dot[r]);
             }
         }
         const __m256 d = _mm256_loadu_ps(dg + (size_t)b * X8), m = _mm256_loadu_ps(mg + (size_t)b * X8);
@@ -196,6 +203,7 @@ static inline __attribute__((always_inline)) void x8_tile_int16(const qmatrix *w
             for (int r = 0; r < R; r++) {
                 dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(v0, lane_bcast(qb[r] + 4 * p)));
                 dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(v1, lane_bcast(qb[r] + 4 * p + 2)));
+                KEEP_IN_REGISTER(dot[r]);
             }
             if (kind == 2 && p == 3) { /* q6_k: weights 0..15 are done, with their own scales */
                 const __m256 d0 = _mm256_loadu_ps(db);
