@@ -9,9 +9,9 @@ packings):
 - int16 (vpmaddwd), the default: about 5e-5 of relative error per product, and SmolLM2's
   greedy tokens are the dense model's.
 - int8, llama.cpp's arithmetic for 4-bit blocks (`--weights gguf-a8`): one vpmaddubsw does 32
-  multiply-adds (csrc/ggml_gemm_x8.c, kind 3), and SmolLM2's Q4_1 products ran 1.2-1.5x faster
+  multiply-adds (csrc/ggml_gemm_x8.c, kind 3), and SmolLM2's Q4_1 products ran 1.3-1.8x faster
   at 8 to 128 rows. It costs about 3e-3 of relative error per product (each block's exact sum
-  and its rounding error are carried, half the error of llama.cpp's sums from the codes): on
+  and the int8 codes' error on it are carried, which halved the error on the test matrices): on
   the real-models report's two 2,048-token windows of Frankenstein SmolLM2's perplexity rose
   0.40% (28.15 to 28.26; int16: 28.15, `kvlab eval --weights`), 95.7% of its greedy next-token
   choices on 1,024 tokens stayed the dense model's, but near-ties flip: `kvlab generate
@@ -267,7 +267,7 @@ class GGMLLinear(nn.Module):
 
     `activations` is the precision x is quantised to per 32 values for "q4_1" planes: "int16"
     (the default: the dense model's greedy tokens) or "int8" (llama.cpp's arithmetic: SmolLM2's
-    products 1.2-1.5x faster, its perplexity +0.40%). Q8_0 and Q6_K planes always meet int16
+    products 1.3-1.8x faster, its perplexity +0.40%). Q8_0 and Q6_K planes always meet int16
     activations (ggml_gemv.h's qacts)."""
 
     def __init__(self, planes: "Planes | PackedPlanes", activations: str = "int16"):

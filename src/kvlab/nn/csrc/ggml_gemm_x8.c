@@ -33,7 +33,7 @@
  *                  eight of them add up in int16 without overflow (at most 8 * 2 * 15 * 127 =
  *                  30,480) and one vpmaddwd by ones makes them the eight block dot products in
  *                  int32. Twice vpmaddwd's multiply-adds per instruction and no widening of the
- *                  nibbles: SmolLM2's Q4_1 products ran 1.2-1.5x faster at 8 to 128 rows. The
+ *                  nibbles: SmolLM2's Q4_1 products ran 1.3-1.8x faster at 8 to 128 rows. The
  *                  price is the int8 codes' rounding (ggml_gemv.h's qacts): 3e-3 of relative
  *                  error per product against int16's 5e-5. d8 and m8 as for kind 0.
  *   kind 1 "q8_0", kind 2 "q6_k": the sixteen pair vectors as int8, 256 bytes per group
