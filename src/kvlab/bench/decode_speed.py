@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             line += (f"; prefill {1000 * statistics.median(run['prefill_seconds']):.0f} ms, decode alone "
                      f"{run['decode_only_tokens_per_s']:.1f} tok/s")
         print(line)
-    result = {"benchmark": "decode_speed", "model": args.model, "weights": loaded.model.packing, "prompt_tokens": len(prompt),
+    result = {"benchmark": "decode_speed", "model": args.model, "weights": loaded.model.packing,
+              "prompt_tokens": len(prompt),
               "new_tokens": args.new_tokens, "repeats": args.repeats, "statistic": "median of the repeats",
               "runs": runs, "provenance": provenance(args.threads)}
     theirs = [run for run in runs if run["engine"].startswith("transformers")]
