@@ -4,7 +4,7 @@
  * block's dot product is integer: 32 multiply-adds in two madd instructions on the codes
  * widened to int16, then one float multiply-add by the two blocks' scales. quantize_act also
  * writes int8 codes, which ggml_gemm_x8.c's kind 3 multiplies Q4_1 weights with (llama.cpp's
- * arithmetic: faster, 60 times coarser); here kind 3 runs as kind 0, on the int16 codes.
+ * arithmetic: faster, on steps 258 times coarser); here kind 3 runs as kind 0, on the int16 codes.
  *
  * Weights are planes (kvlab.nn.ggml.Planes, built from GGUF blocks without changing a
  * weight), so the inner loop does no fp16 work:
