@@ -256,7 +256,7 @@ def packed_linear(parts: list[str], stored: list[StoredTensor], config: ModelCon
                   permuted: bool = True) -> Optional[nn.Module]:
     """The layer that computes on `stored` (row-stacked) as the packing keeps it, or None to
     dequantise it: "gguf" and "gguf-a8" take any planes, "int4" 4-bit planes of one kind."""
-    if packing not in ("gguf", "gguf-a8", "int4") or (packing != "int4" and kernels() is None):
+    if packing not in (*ACTIVATIONS_OF, "int4") or (packing != "int4" and kernels() is None):
         return None
     if packing in ACTIVATIONS_OF:  # the file's blocks copied once into the kernels' layout (gguf_planes.stack_packed)
         blocks = [packed_of(t) for t in stored]

@@ -83,7 +83,12 @@ class Sampled:
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] scaled by temperature, with tokens outside top_k / top_p / min_p at -inf."""
-    x = logits.float() / params.temperature
+    return cut_logits(logits.float() / params.temperature, params)
+
+
+def cut_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits x [V] with tokens outside top_k / top_p / min_p at -inf: x itself
+    where the request cuts nothing."""
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -99,37 +104,33 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return x
 
 
-def unfiltered(params: SamplingParams) -> bool:
-    """Whether a sampled row is only scaled by its temperature (no top_k, top_p or min_p cut)."""
-    return not (0 < params.top_k) and params.top_p >= 1.0 and params.min_p <= 0.0
-
-
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[Optional[torch.Generator]], default: torch.Generator) -> list[Sampled]:
     """One token per row of logits [S, V], each row with its own request's settings.
 
-    The sampled rows' softmax is one batched call, and the rows drawing from the engine's own
-    generator (no seed of their own) draw in one multinomial call, in row order: at 16 rows,
+    The sampled rows are scaled and soft-maxed together, and the rows drawing from the engine's
+    own generator (no seed of their own) draw in one multinomial call, in row order: at 16 rows,
     one softmax and one draw per row cost a sixth of a decode step here (SmolLM2's vocabulary
     is 49,152 tokens). A seeded request draws alone, from its own generator."""
     tokens = logits.argmax(dim=-1).tolist()
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     if sampled:
-        plain = [row for row in sampled if unfiltered(params[row])]
-        cut = [row for row in sampled if not unfiltered(params[row])]
-        temperatures = torch.tensor([[params[row].temperature] for row in plain], dtype=torch.float32)
-        scaled = [logits[plain].float() / temperatures] if plain else []
-        scaled += [filtered_logits(logits[row], params[row])[None] for row in cut]
-        probs = torch.softmax(torch.cat(scaled), dim=-1)  # rows in the order plain + cut
-        at = {row: i for i, row in enumerate(plain + cut)}
-        shared = [row for row in sampled if generators[row] is None]
+        temperatures = torch.tensor([[params[row].temperature] for row in sampled], dtype=torch.float32)
+        x = logits[sampled].float() / temperatures
+        for i, row in enumerate(sampled):  # top_k / top_p / min_p, where a request asks for them
+            scaled = x[i]
+            cut = cut_logits(scaled, params[row])
+            if cut is not scaled:
+                x[i] = cut
+        probs = torch.softmax(x, dim=-1)
+        shared = [i for i, row in enumerate(sampled) if generators[row] is None]
         if shared:
-            draws = torch.multinomial(probs[[at[row] for row in shared]], 1, generator=default)[:, 0].tolist()
-            for row, token in zip(shared, draws):
-                tokens[row] = token
-        for row in sampled:
+            draws = torch.multinomial(probs[shared], 1, generator=default)[:, 0].tolist()
+            for i, token in zip(shared, draws):
+                tokens[sampled[i]] = token
+        for i, row in enumerate(sampled):
             if generators[row] is not None:
-                tokens[row] = int(torch.multinomial(probs[at[row]], 1, generator=generators[row]))
+                tokens[row] = int(torch.multinomial(probs[i], 1, generator=generators[row]))
     return [drawn(token, logits[row], p) for row, (token, p) in enumerate(zip(tokens, params))]
 
 
