@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.nn.ggml import GROUP, GGMLLinear, PackedPlanes, Planes, kernels, quantize_activations, stack_planes
+from kvlab.errors import KvlabEnvironmentError
+from kvlab.nn.ggml import GROUP, KERNEL_ISAS, GGMLLinear, PackedPlanes, Planes, kernel_isa, kernels, \
+    quantize_activations, stack_planes, using_kernel_isa
 
 from needs import require_kernels
 
@@ -76,11 +78,53 @@ def test_the_interleaved_kernel_equals_its_integer_reference(kind, activations, 
     chunk of rows) is off by a whole weight."""
     planes = random_planes(kind, out_features, 160, np.random.default_rng(5))
     layer = GGMLLinear(planes, activations)
-    for rows in (1, 4, 5, 6, 7, 16, 67):
+    for rows in (1, 4, 5, 6, 7, 8, 9, 15, 16, 67):  # AVX2 tiles 6 rows, AVX-512 VNNI 8
         x = torch.randn(rows, 160)
         on_int8 = kind == "q4_1" and activations == "int8"
         expected = _int8_reference(planes, x) if on_int8 else _row_major_product(layer, x)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def _isas_here() -> list[str]:
+    """The kernels' instruction sets this machine can run."""
+    here = []
+    for isa in KERNEL_ISAS:
+        try:
+            with using_kernel_isa(isa):
+                here.append(isa)
+        except KvlabEnvironmentError:
+            pass
+    return here
+
+
+@pytest.mark.parametrize("kind,activations", [("q4_1", "int16"), ("q4_1", "int8"), ("q8_0", "int16"),
+                                               ("q6_k", "int16")])
+def test_every_instruction_set_gives_the_same_bits(kind, activations):
+    """AVX2 (madd, then add) and AVX-512 VNNI (one vpdpwssd / vpdpbusd) form the same int32 sums,
+    and the float steps after them are the same: outputs must be identical, not close, at every
+    tile and remainder of either (6 and 8 rows) and across a second chunk of rows."""
+    here = _isas_here()
+    if len(here) < 2:
+        pytest.skip(f"this CPU runs only {here}: nothing to compare")
+    planes = random_planes(kind, 101, 160, np.random.default_rng(8))
+    layer = GGMLLinear(planes, activations)
+    for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 70):
+        x = torch.randn(rows, 160)
+        outputs = []
+        for isa in here:
+            with using_kernel_isa(isa):
+                outputs.append(layer(x))
+        for other in outputs[1:]:
+            assert torch.equal(outputs[0], other), rows
+
+
+def test_the_instruction_set_is_reported_and_pinned():
+    assert kernel_isa() in KERNEL_ISAS
+    with using_kernel_isa("avx2"):  # every machine the kernels load on has AVX2
+        assert kernel_isa() == "avx2"
+    with pytest.raises(ValueError):
+        with using_kernel_isa("sse2"):
+            pass
 
 
 def test_the_int8_reference_tells_a_slipped_nibble():

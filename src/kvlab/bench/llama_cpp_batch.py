@@ -3,7 +3,8 @@
 The peer for `kvlab bench throughput`: every prompt is a sequence id of one llama.cpp
 context, all prompts are decoded in batches of at most n_batch tokens, then each step feeds
 one `llama_batch` with the newest token of every sequence (each with logits) and takes the
-argmax, exactly `output_len` times: what llama.cpp's `batched` example does. llama-cpp-python
+argmax, exactly `output_len` times: what llama.cpp's `batched` example does (an AMX build of
+llama.cpp runs with its weight repacking off, see AMX_REBUILD). llama-cpp-python
 is an optional extra (`pip install llama-cpp-python`, a source build of several minutes):
 `run_llama_cpp` returns None when it is absent.
 """
@@ -31,6 +32,23 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(null)
 
 
+# llama-cpp-python 0.3.36 built for a CPU with AMX (its default, native build on a Sapphire
+# Rapids Xeon) repacks the weights for AMX at load and then segfaults in the first llama_decode
+# on SmolLM2's Q4_1 file (ggml-org/llama.cpp#20824 reports the same crash in
+# ggml_backend_amx_mul_mat). Built without AMX it runs; so does an AMX build with the extra
+# buffer types off, which on this file costs nothing: its CPU repacking does not take Q4_1.
+AMX_REBUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+               '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install '
+               '--force-reinstall --no-cache-dir --no-deps llama-cpp-python')
+
+
+def amx_build() -> bool:
+    """Whether the installed llama.cpp was built with its AMX kernels (which crash on this file)."""
+    import llama_cpp
+
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
+
+
 def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads: int) -> Optional[dict]:
     """Greedy batched decode of `prompts` (token ids) for `output_len` tokens each; None without llama-cpp-python."""
     try:
@@ -40,8 +58,11 @@ def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads:
     import numpy as np
 
     llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    repacking = not amx_build()
+    model_params.use_extra_bufts = repacking  # off on an AMX build: see AMX_REBUILD
     with _quiet_stderr():  # llama.cpp logs every tensor and buffer while loading
-        model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
     n, longest = len(prompts), max(len(p) for p in prompts)
@@ -95,4 +116,5 @@ def run_llama_cpp(path: str, prompts: list[list[int]], output_len: int, threads:
     tokens = n * output_len
     return {"num_requests": n, "elapsed_s": elapsed, "prefill_s": prefill, "output_tokens": tokens,
             "output_tokens_per_s": tokens / elapsed, "outputs": outputs,
-            "version": getattr(llama_cpp, "__version__", None)}
+            "version": getattr(llama_cpp, "__version__", None), "weight_repacking": repacking,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}

@@ -92,6 +92,11 @@ def known_peer(name: str, port: int, gguf: str, hf_dir: Optional[str], threads: 
         if missing:
             return Skipped(name, f"llama-cpp-python[server] is not installed ({missing} missing): pip install "
                                  "'llama-cpp-python[server]'")
+        from kvlab.bench.llama_cpp_batch import AMX_REBUILD, amx_build
+
+        if amx_build():  # its server has no switch for the repacking that crashes
+            return Skipped(name, "this llama-cpp-python was built with AMX, whose kernels crash on this GGUF "
+                                 f"(ggml-org/llama.cpp#20824); rebuild it without: {AMX_REBUILD}")
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, *host, "--model_alias", served_name,
                 "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096"]
         if name == "llama.cpp-serial":

@@ -100,6 +100,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"llama.cpp batched decode (llama_batch, one sequence id per request): "
               f"{result['llama_cpp_batched']['output_tokens_per_s']:.1f} output tokens/s; kvlab / llama.cpp = "
               f"{result['ratio_batched_vs_llama_cpp']:.2f}x")
+        if not result["llama_cpp_batched"].get("weight_repacking", True):
+            print("(llama.cpp ran with its weight repacking off: this build has AMX kernels, which crash on this "
+                  "GGUF; kvlab.bench.llama_cpp_batch.AMX_REBUILD says how to build it without)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
