@@ -69,7 +69,9 @@ def _int8_reference(planes: Planes, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind,activations", [("q4_1", "int16"), ("q4_1", "int8"), ("q8_0", "int8"),
                                                ("q6_k", "int8")])
-@pytest.mark.parametrize("out_features", [96, 101])  # a whole last group of eight outputs, and a part of one
+# a whole last group of eight outputs; a part of one, paired with a whole one in AVX-512's sixteen lanes (93)
+# and alone (101)
+@pytest.mark.parametrize("out_features", [93, 96, 101])
 def test_the_interleaved_kernel_equals_its_integer_reference(kind, activations, out_features):
     """Both are exact integer dot products per block, scaled in fp32: they differ only in the order
     of float additions. On int16 codes (Q8_0 and Q6_K always) the reference is the row-major
@@ -99,14 +101,16 @@ def _isas_here() -> list[str]:
 
 @pytest.mark.parametrize("kind,activations", [("q4_1", "int16"), ("q4_1", "int8"), ("q8_0", "int16"),
                                                ("q6_k", "int16")])
-def test_every_instruction_set_gives_the_same_bits(kind, activations):
-    """AVX2 (madd, then add) and AVX-512 VNNI (one vpdpwssd / vpdpbusd) form the same int32 sums,
-    and the float steps after them are the same: outputs must be identical, not close, at every
-    tile and remainder of either (6 and 8 rows) and across a second chunk of rows."""
+@pytest.mark.parametrize("out_features", [93, 101])  # a partial last group in a pair of groups, and alone
+def test_every_instruction_set_gives_the_same_bits(kind, activations, out_features):
+    """AVX2 (madd, then add) and AVX-512 VNNI (one vpdpwssd / vpdpbusd, two groups per vector) form
+    the same int32 sums, and the float steps after them are the same per lane: outputs must be
+    identical, not close, at every tile and remainder of either (6 and 8 rows) and across a
+    second chunk of rows."""
     here = _isas_here()
     if len(here) < 2:
         pytest.skip(f"this CPU runs only {here}: nothing to compare")
-    planes = random_planes(kind, 101, 160, np.random.default_rng(8))
+    planes = random_planes(kind, out_features, 160, np.random.default_rng(8))
     layer = GGMLLinear(planes, activations)
     for rows in (1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17, 70):
         x = torch.randn(rows, 160)

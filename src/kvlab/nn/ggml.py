@@ -62,7 +62,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_vnni.c", CSRC / "llama_decode.c",
            CSRC / "abi.c")  # built into one library
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h", CSRC / "x8_layout.h",
-           CSRC / "x8_kernel.h")
+           CSRC / "x8_kernel.h", CSRC / "x16_kernel.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 

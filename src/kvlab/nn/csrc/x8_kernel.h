@@ -190,18 +190,40 @@ X8_ROWS_OF(x8_rows_q8_0, 1)
 X8_ROWS_OF(x8_rows_q6_k, 2)
 X8_ROWS_OF(x8_rows_q4_1_int8, 3)
 
+#ifdef X8_PAIRS
+#include "x16_kernel.h"
+#endif
+
+typedef void (*rows_fn)(const qmatrix *, int, int, int, const qacts *, float *, int, int);
+
 /* Units of work are (row chunk, share of groups), handed out as threads ask: a thread
- * descheduled by other work on the machine then holds up one unit, not half the product. */
+ * descheduled by other work on the machine then holds up one unit, not half the product.
+ * With X8_PAIRS, groups go two at a time (X8_SHARE is even), an odd last one alone. */
 void X8_ENTRY(const qmatrix *w, int rows, const qacts *a, float *y, int ldy, int accumulate) {
     const int groups = (w->n + X8 - 1) / X8, shares = (groups + X8_SHARE - 1) / X8_SHARE;
     const int chunks = (rows + X8_CHUNK - 1) / X8_CHUNK;
-    void (*run)(const qmatrix *, int, int, int, const qacts *, float *, int, int) =
+    const rows_fn run =
         w->kind == 0 ? x8_rows_q4_1 : w->kind == 1 ? x8_rows_q8_0 : w->kind == 2 ? x8_rows_q6_k : x8_rows_q4_1_int8;
+#ifdef X8_PAIRS
+    const rows_fn pair = w->kind == 0 ? x16_rows_q4_1 : w->kind == 1 ? x16_rows_q8_0
+                       : w->kind == 2 ? x16_rows_q6_k : x16_rows_q4_1_int8;
+    const int step = 2;
+#else
+    const int step = 1;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int unit = 0; unit < chunks * shares; unit++) {
         const int chunk = unit / shares, share = unit % shares;
         const int first = chunk * X8_CHUNK, last = first + X8_CHUNK < rows ? first + X8_CHUNK : rows;
         const int g_end = (share + 1) * X8_SHARE < groups ? (share + 1) * X8_SHARE : groups;
-        for (int g = share * X8_SHARE; g < g_end; g++) run(w, g, first, last, a, y, ldy, accumulate);
+        for (int g = share * X8_SHARE; g < g_end; g += step) {
+#ifdef X8_PAIRS
+            if (g + 1 < g_end) {
+                pair(w, g, first, last, a, y, ldy, accumulate);
+                continue;
+            }
+#endif
+            run(w, g, first, last, a, y, ldy, accumulate);
+        }
     }
 }
