@@ -28,6 +28,13 @@ one to three rows 1.2-1.6x faster than row by row, and of 128 to 2,048 rows they
 pass PyTorch's fp32 GEMM on the dequantised matrix, without writing that matrix out (`prompts_on_float_gemm`
 says where prompts keep that GEMM). kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
 
+Where the CPU has AVX-512 VNNI the same layout is multiplied with vpdpwssd / vpdpbusd on
+512-bit vectors, sixteen outputs at a time (csrc/ggml_gemm_x8_vnni.c, chosen at run time:
+`kernel_isa`, `KVLAB_KERNEL_ISA=avx2` to pin the AVX2 path); the integer sums are the same, so
+the outputs are bit for bit the AVX2 kernels'. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
+products of 16 rows ran at 143 billion multiply-adds per second on int16 activations against
+90 for the AVX2 kernels there, and 178 against 128 on int8 (one run, taking turns).
+
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
 loaded with ctypes (no torch headers; about ten seconds, once per source version, most of it
 the decode step's attention kernels specialised per cache format and query-head pack). Where

@@ -40,6 +40,9 @@
  *                  and block; q6_k has two scales per block (weights 0..15, 16..31), so
  *                  d8 holds two sets of eight per block.
  * Outputs past n in the last group are zero weights with zero scales, never stored.
+ *
+ * The products themselves are in x8_kernel.h, compiled here for AVX2 and in
+ * ggml_gemm_x8_vnni.c for AVX-512 VNNI; x8_gemm runs the best one the machine has.
  */
 #include <string.h>
 
