@@ -10,7 +10,7 @@ one run, the contenders taking turns so that load from other processes falls on 
 2. one sequence, then `--rows` sequences, at `--context` tokens: the C step on fp16, int8 and
    fp8 (e4m3) pools, where the narrow pools read about half of fp16's bytes in attention. At
    one row the weights (112 MB a step) are read as often as SmolLM2's 94 MB of fp16 K/V at
-   4,096 tokens, so halving the K/V can gain at most about 1.3x; at 16 rows the K/V is 93% of
+   4,096 tokens, so halving the K/V can gain at most about 1.25x; at 16 rows the K/V is 93% of
    the bytes.
 
 The pools are filled with random K/V rather than a prefill (minutes of CPU for the 16 rows);
