@@ -14,9 +14,6 @@
  *
  * Included by x8_kernel.h where X8_PAIRS is defined (ggml_gemm_x8_vnni.c, compiled for AVX-512).
  */
-#if X8_TILE != 8
-#error "x16_kernel.h's row tails assume tiles of eight rows"
-#endif
 
 /* Two 256-bit halves (groups g and g + 1) as one 512-bit vector. */
 static inline __m512i join_si(__m256i lo, __m256i hi) {
@@ -153,30 +150,8 @@ static inline __attribute__((always_inline)) void x16_tile(const qmatrix *w, con
         x16_tile_int16(w, kind, g, r0, R, a, y, ldy, accumulate);
 }
 
-/* Groups g and g + 1 against activation rows first .. last - 1: whole tiles, then the rest. */
-static inline __attribute__((always_inline)) void x16_rows(const qmatrix *w, const int kind, int g, int first,
-                                                          int last, const qacts *a, float *y, int ldy,
-                                                          int accumulate) {
-    int r = first;
-    for (; r + X8_TILE <= last; r += X8_TILE) x16_tile(w, kind, g, r, X8_TILE, a, y, ldy, accumulate);
-    switch (last - r) {
-    case 7: x16_tile(w, kind, g, r, 7, a, y, ldy, accumulate); break;
-    case 6: x16_tile(w, kind, g, r, 6, a, y, ldy, accumulate); break;
-    case 5: x16_tile(w, kind, g, r, 5, a, y, ldy, accumulate); break;
-    case 4: x16_tile(w, kind, g, r, 4, a, y, ldy, accumulate); break;
-    case 3: x16_tile(w, kind, g, r, 3, a, y, ldy, accumulate); break;
-    case 2: x16_tile(w, kind, g, r, 2, a, y, ldy, accumulate); break;
-    case 1: x16_tile(w, kind, g, r, 1, a, y, ldy, accumulate); break;
-    default: break;
-    }
-}
-
-#define X16_ROWS_OF(name, kind)                                                                             \
-    static void name(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,     \
-                     int accumulate) {                                                                  \
-        x16_rows(w, kind, g, first, last, a, y, ldy, accumulate);                                          \
-    }
-X16_ROWS_OF(x16_rows_q4_1, 0)
-X16_ROWS_OF(x16_rows_q8_0, 1)
-X16_ROWS_OF(x16_rows_q6_k, 2)
-X16_ROWS_OF(x16_rows_q4_1_int8, 3)
+/* Groups g and g + 1 against activation rows first .. last - 1 (x8_kernel.h's ROW_TILES). */
+ROWS_OF(x16_rows_q4_1, x16_tile, 0)
+ROWS_OF(x16_rows_q8_0, x16_tile, 1)
+ROWS_OF(x16_rows_q6_k, x16_tile, 2)
+ROWS_OF(x16_rows_q4_1_int8, x16_tile, 3)

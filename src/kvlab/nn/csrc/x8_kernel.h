@@ -23,8 +23,8 @@
 #define DOT_U8(dot, w, x) _mm256_add_epi16(dot, _mm256_maddubs_epi16(w, x))
 #define U8_SUMS(dot) _mm256_madd_epi16(dot, _mm256_set1_epi16(1)) /* int16 pairs -> int32 */
 #endif
-#if X8_TILE < 1 || X8_TILE > 8
-#error "X8_TILE must be 1 to 8"
+#if X8_TILE < 6 || X8_TILE > 8
+#error "X8_TILE must be 6 to 8 (ROW_TILES's tails go down from 7 rows, and its cases 5..1 are used as given)"
 #endif
 
 /* An empty asm that claims to change v: the compiler must have v in a register here and may not
@@ -158,37 +158,37 @@ static inline __attribute__((always_inline)) void x8_tile(const qmatrix *w, cons
         x8_tile_int16(w, kind, g, r0, R, a, y, ldy, accumulate);
 }
 
-/* Group g against activation rows first .. last - 1: whole tiles, then the rest. */
-static inline __attribute__((always_inline)) void x8_rows(const qmatrix *w, const int kind, int g, int first,
-                                                         int last, const qacts *a, float *y, int ldy, int accumulate) {
-    int r = first;
-    for (; r + X8_TILE <= last; r += X8_TILE) x8_tile(w, kind, g, r, X8_TILE, a, y, ldy, accumulate);
-    switch (last - r) { /* the rest, as a constant row count (up to X8_TILE - 1 rows) */
-#if X8_TILE > 7
-    case 7: x8_tile(w, kind, g, r, 7, a, y, ldy, accumulate); break;
-#endif
-#if X8_TILE > 6
-    case 6: x8_tile(w, kind, g, r, 6, a, y, ldy, accumulate); break;
-#endif
-    case 5: x8_tile(w, kind, g, r, 5, a, y, ldy, accumulate); break;
-    case 4: x8_tile(w, kind, g, r, 4, a, y, ldy, accumulate); break;
-    case 3: x8_tile(w, kind, g, r, 3, a, y, ldy, accumulate); break;
-    case 2: x8_tile(w, kind, g, r, 2, a, y, ldy, accumulate); break;
-    case 1: x8_tile(w, kind, g, r, 1, a, y, ldy, accumulate); break;
-    default: break;
-    }
-}
+/* Rows first .. last - 1 through tile(w, kind, g, r, R, ...): whole tiles of X8_TILE rows, then
+ * the rest with R a constant at each call (cases of X8_TILE rows or more never run; TAIL keeps
+ * their R within the tile's arrays). x8_rows and x16_kernel.h's x16_rows both use it. */
+#define TAIL(n) ((n) < X8_TILE ? (n) : X8_TILE)
+#define ROW_TILES(tile, w, kind, g, first, last, a, y, ldy, accumulate)                                      \
+    do {                                                                                                  \
+        int r_ = (first);                                                                                 \
+        for (; r_ + X8_TILE <= (last); r_ += X8_TILE) tile(w, kind, g, r_, X8_TILE, a, y, ldy, accumulate); \
+        switch ((last) - r_) {                                                                            \
+        case 7: tile(w, kind, g, r_, TAIL(7), a, y, ldy, accumulate); break;                              \
+        case 6: tile(w, kind, g, r_, TAIL(6), a, y, ldy, accumulate); break;                              \
+        case 5: tile(w, kind, g, r_, 5, a, y, ldy, accumulate); break;                                    \
+        case 4: tile(w, kind, g, r_, 4, a, y, ldy, accumulate); break;                                    \
+        case 3: tile(w, kind, g, r_, 3, a, y, ldy, accumulate); break;                                    \
+        case 2: tile(w, kind, g, r_, 2, a, y, ldy, accumulate); break;                                    \
+        case 1: tile(w, kind, g, r_, 1, a, y, ldy, accumulate); break;                                    \
+        default: break;                                                                                   \
+        }                                                                                                 \
+    } while (0)
 
-/* One entry point per kind, each with its kind a constant so x8_rows inlines without a kind test. */
-#define X8_ROWS_OF(name, kind)                                                                              \
+/* One entry point per kind and width (rows_fn), each with its kind a constant so the tiles
+ * inline without a kind test. */
+#define ROWS_OF(name, tile, kind)                                                                           \
     static void name(const qmatrix *w, int g, int first, int last, const qacts *a, float *y, int ldy,     \
                      int accumulate) {                                                                  \
-        x8_rows(w, kind, g, first, last, a, y, ldy, accumulate);                                           \
+        ROW_TILES(tile, w, kind, g, first, last, a, y, ldy, accumulate);                                   \
     }
-X8_ROWS_OF(x8_rows_q4_1, 0)
-X8_ROWS_OF(x8_rows_q8_0, 1)
-X8_ROWS_OF(x8_rows_q6_k, 2)
-X8_ROWS_OF(x8_rows_q4_1_int8, 3)
+ROWS_OF(x8_rows_q4_1, x8_tile, 0)
+ROWS_OF(x8_rows_q8_0, x8_tile, 1)
+ROWS_OF(x8_rows_q6_k, x8_tile, 2)
+ROWS_OF(x8_rows_q4_1_int8, x8_tile, 3)
 
 #ifdef X8_PAIRS
 #include "x16_kernel.h"
