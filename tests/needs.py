@@ -90,3 +90,15 @@ def require_module(name: str):
         return importlib.import_module(name)
     except ImportError:
         missing(f"the Python package {name.split('.')[0]}")
+
+
+def optional_module(name: str, extra: str):
+    """`import name` from an optional extra (`pip install kvlab[extra]`), else a skip even in CI:
+    the default set-up never installs it (llama-cpp-python compiles for minutes), so its absence
+    is the documented state, not a broken machine."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pytest.skip(f"needs {name} (the optional extra kvlab[{extra}])")

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from needs import STORIES, require_file, require_module, require_smollm2
+from needs import STORIES, optional_module, require_file, require_module, require_smollm2
 from kvlab.cli import main
 
 IDS = [1, 403, 407, 261, 378, 371, 296, 314, 260, 425]
@@ -106,7 +106,7 @@ def test_gguf_reads_back_to_the_same_weights_and_runs_in_llama_cpp(kv2):
     hf, gguf = load(kv2).state_dict(), load(kv2 / "model.gguf").state_dict()
     assert all(torch.equal(hf[name], gguf[name]) for name in hf)
     assert load_gguf_header(kv2 / "model.gguf").kv_heads == 2
-    llama_cpp = require_module("llama_cpp")
+    llama_cpp = optional_module("llama_cpp", "llamacpp")
     import numpy as np
 
     llm = llama_cpp.Llama(str(kv2 / "model.gguf"), logits_all=True, verbose=False, n_ctx=64)

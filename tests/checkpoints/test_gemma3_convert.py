@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from needs import require_gemma3, require_module
+from needs import optional_module, require_gemma3, require_module
 from kvlab.cli import main
 
 TEXT = "It is a truth universally acknowledged, that a single man\n\n  in possession of a good fortune"
@@ -156,7 +156,7 @@ def test_gguf_reads_back_to_the_same_weights_and_runs_in_llama_cpp(path, source,
     original = source.model.state_dict()
     assert all(torch.equal(written.state_dict()[name], original[name]) for name in original)
     assert load_gguf_header(same / "model.gguf").layers == source.model.config.to_plan_spec().layers
-    llama_cpp = require_module("llama_cpp")
+    llama_cpp = optional_module("llama_cpp", "llamacpp")
     import numpy as np
 
     llm = llama_cpp.Llama(str(same / "model.gguf"), logits_all=True, verbose=False, n_ctx=64)
