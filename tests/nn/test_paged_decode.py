@@ -13,8 +13,10 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
 from kvlab.cache.step import StepBatch
+from kvlab.errors import KvlabEnvironmentError
 from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
 from kvlab.nn.config import ModelConfig
+from kvlab.nn.ggml import using_kernel_isa
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
 from test_fused_decode import GQA, TOLERANCE, assert_close_to_scale, ggml_model
@@ -169,6 +171,38 @@ def test_head_shapes_and_query_packs(config, kv_cache_dtype, group_size):
 @pytest.mark.parametrize("activations", ["int16", "int8"])
 def test_seventeen_rows_in_an_int8_pool(activations):
     check_steps(ggml_model(LONG.with_kv_heads(1), activations=activations), POSITIONS[17], "int8", steps=1)
+
+
+# Heads of 64 and 128 channels with one int8 group per row, which AVX-512 VNNI attends on
+# integer dot products (csrc/attend_int8.h) and AVX2 on fp32 ones: query packs of 1, 2 and 4,
+# a head of two 64-byte segments, 17 rows whose chunks end at many lengths. One layer, so both
+# steps write the same codes; with more, a last-bit difference in one layer's attention can
+# move a later layer's K/V code across a rounding boundary, and the logits compared would
+# measure that step of the int8 grid instead of the arithmetic.
+INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), group) for shape, group in [
+    ({"dim": 128, "n_heads": 2, "n_kv_heads": 2, "name": "d64-pack1"}, None),
+    ({"dim": 256, "n_heads": 2, "n_kv_heads": 1, "name": "d128-pack2"}, 128),
+    ({"dim": 512, "n_heads": 8, "n_kv_heads": 1, "name": "d64-group8"}, None)]]
+
+
+@pytest.mark.parametrize("config,group_size", INTEGER_SHAPES, ids=[c.name for c, _ in INTEGER_SHAPES])
+def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size):
+    try:
+        with using_kernel_isa("avx512_vnni"):
+            pass
+    except KvlabEnvironmentError as missing:
+        pytest.skip(str(missing))
+    model = ggml_model(config)
+    pool, tables, ids = filled_pool(model, POSITIONS[17], "int8", group_size)
+    other = copy.deepcopy(pool)
+    batch = StepBatch.build(POSITIONS[17], [1] * 17, tables, BLOCK)
+    with using_kernel_isa("avx2"):
+        fp32_products = PagedDecodeStep(model, pool, max_rows=17)(ids, batch)
+    with using_kernel_isa("avx512_vnni"):
+        integer_products = PagedDecodeStep(model, other, max_rows=17)(ids, batch)
+    assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), other.tensors()))
+    assert not torch.equal(integer_products, fp32_products)  # the integer path ran
+    assert_close_to_scale(integer_products, fp32_products)
 
 
 def test_the_module_path_reads_what_the_c_step_wrote():

@@ -31,7 +31,9 @@ says where prompts keep that GEMM). kvlab.nn.fused_decode runs a whole decode st
 Where the CPU has AVX-512 VNNI the same layout is multiplied with vpdpwssd / vpdpbusd on
 512-bit vectors, sixteen outputs at a time (csrc/ggml_gemm_x8_vnni.c, chosen at run time:
 `kernel_isa`, `KVLAB_KERNEL_ISA=avx2` to pin the AVX2 path); the integer sums are the same, so
-the outputs are bit for bit the AVX2 kernels'. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
+the products are bit for bit the AVX2 kernels'. The decode step's int8 attention also follows
+this choice (csrc/attend_int8.h), and is not bit-identical: it rounds the query and the
+softmax weights to 15 bits. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
 products of 16 rows ran at 143 billion multiply-adds per second on int16 activations against
 90 for the AVX2 kernels there, and 178 against 128 on int8 (one run, taking turns).
 
@@ -67,9 +69,9 @@ QK = 32
 PROMPT_ROWS = 32  # where prompts_on_float_gemm(), from this many rows on a product dequantises for PyTorch's GEMM
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_vnni.c", CSRC / "llama_decode.c",
-           CSRC / "abi.c")  # built into one library
+           CSRC / "attend_int8_vnni.c", CSRC / "abi.c")  # built into one library
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h", CSRC / "x8_layout.h",
-           CSRC / "x8_kernel.h", CSRC / "x16_kernel.h")
+           CSRC / "x8_kernel.h", CSRC / "x16_kernel.h", CSRC / "attend_int8.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 

@@ -16,13 +16,18 @@
  * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
  * `capacity` tokens per row (llama_decode_step). Stores and loads of each cache format are
  * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
- * half of fp16's bytes.
+ * half of fp16's bytes; with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
+ * dot products instead (chunk_rows.integer).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend_int8.h"
 #include "kv_codecs.h"
+#include "x8_layout.h"
+
+int kvlab_x8_isa(void); /* ggml_gemm_x8.c: whether AVX-512 VNNI is in use */
 
 /* Where this step's rows are: positions [rows], block_tables [rows, max_blocks]. */
 typedef struct {
@@ -131,6 +136,7 @@ typedef struct {
     size_t slots[CHUNK]; /* row (block, head, offset) of each of the chunk's tokens */
     float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
     int len, d, gsize, groups;
+    int integer; /* int8 on integer dot products (attend_int8.h) */
 } chunk_rows;
 
 static inline float half_at(const uint16_t *h, size_t i) { return f16_to_f32(h[i]); }
@@ -227,7 +233,10 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = dtype == CACHE_INT8 ? part : scores;
-        for (t = 0; t + TB <= c->len; t += TB) {
+        float qsums[4]; /* int8: sum(q_g) per head, as the dots saw it */
+        if (dtype == CACHE_INT8 && c->integer) /* one group: the whole row */
+            int8_key_dots_vnni(l->k.data, l->v.data, c->slots, c->len, d, q, GH, dots, qsums);
+        for (t = 0; t + TB <= c->len && !(dtype == CACHE_INT8 && c->integer); t += TB) {
             if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
                 for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
                     prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
@@ -235,13 +244,13 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                 }
             key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
         }
-        for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+        for (; t < c->len && !(dtype == CACHE_INT8 && c->integer); t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
         if (dtype != CACHE_INT8) break;
         load_group(l, c, g);
         for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
-            for (int i = lo; i < hi; i++) qsum += q[h * d + i];
-            const __m256 qs = _mm256_set1_ps(qsum);
+            for (int i = lo; i < hi && !c->integer; i++) qsum += q[h * d + i];
+            const __m256 qs = _mm256_set1_ps(c->integer ? qsums[h] : qsum);
             float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
             for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
                 __m256 dot = _mm256_fmadd_ps(_mm256_loadu_ps(ph + t), _mm256_loadu_ps(c->k_scale + t),
@@ -287,6 +296,10 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                 offset[h] = hsum(share);
             }
             w = part;
+            if (c->integer) {
+                int8_value_sums_vnni(l->v.data, c->slots, c->len, d, w, GH, offset, v_factor, out);
+                break;
+            }
         }
         int i = lo;
         for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, NV);
@@ -315,10 +328,19 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     c.len = end - start, c.d = d;
     c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
     c.groups = (d + c.gsize - 1) / c.gsize;
+    c.integer = dtype == CACHE_INT8 && c.groups == 1 && d % 64 == 0 && d <= INT8_DOT_MAX_HEAD_DIM &&
+                kvlab_x8_isa() == X8_ISA_AVX512_VNNI;
     for (int t = start, at = 0; t < end;) { /* block by block: a division per token cost 6% of attention */
         const size_t base = ((size_t)table[t / bs] * hkv + kvh) * bs;
         const int offset = t % bs, run = bs - offset < end - t ? bs - offset : end - t;
         for (int u = 0; u < run; u++) c.slots[at++] = base + offset + u;
+        if (dtype == CACHE_INT8) { /* the run's scales and zeros (first and last line), wanted after the key dots */
+            const uint16_t *meta[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
+            for (int f = 0; f < 4; f++) {
+                _mm_prefetch((const char *)(meta[f] + (base + offset) * c.groups), _MM_HINT_T0);
+                _mm_prefetch((const char *)(meta[f] + (base + offset + run) * c.groups - 1), _MM_HINT_T0);
+            }
+        }
         t += run;
     }
     for (int t = 0; t < PREFETCH && t < c.len; t++) { /* the first rows; the key loop asks for the rest ahead */
