@@ -1,5 +1,6 @@
 """Generation: greedy equals repeated argmax over the full context; streaming, stop tokens, sampling."""
 
+import pytest
 import torch
 
 from kvlab.nn.config import ModelConfig
@@ -58,3 +59,46 @@ def test_zero_new_tokens_is_an_empty_answer():
     decoder = model()
     assert generate(decoder, [1, 2, 3], 0).shape == (1, 0)
     assert generate(decoder, torch.tensor([[1, 2], [3, 4]]), 0).shape == (2, 0)
+
+
+def test_a_pool_generates_what_a_contiguous_cache_does():
+    """Module by module (this model is not on GGUF blocks), so the pool's bookkeeping alone is tested."""
+    from kvlab.cache.pool import KVPool
+
+    decoder = model()
+    prompts = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    stats: dict = {}
+    pooled = generate(decoder, prompts, 12, cache=KVPool.for_model(CONFIG, 8, 4), stats=stats)
+    assert torch.equal(pooled, generate(decoder, prompts, 12))
+    assert stats["fused_decode"] is False
+
+
+def test_a_pool_too_small_for_the_batch_is_refused():
+    from kvlab.cache.pool import KVPool
+
+    with pytest.raises(ValueError, match="need 8 blocks of 4; the pool has 7"):
+        generate(model(), torch.tensor([[3, 1, 4, 1, 5]] * 2), 12, cache=KVPool.for_model(CONFIG, 7, 4))
+
+
+def test_narrow_formats_generate_on_the_paged_c_step():
+    """int8 and fp8 go to a pool, which the paged C step reads; the contiguous step reads neither."""
+    from kvlab.cache.pool import KVPool
+    from kvlab.nn.generate import cache_for_generation
+
+    from needs import require_kernels
+    from test_fused_decode import GQA, ggml_model
+
+    require_kernels()
+    decoder = ggml_model(GQA)
+    prompt = [3, 1, 4, 1, 5]
+    for dtype in ("int8", "fp8"):
+        cache = cache_for_generation(decoder, 1, len(prompt) + 11, dtype)
+        assert isinstance(cache, KVPool)
+        stats: dict = {}
+        out = generate(decoder, prompt, 12, cache=cache, stats=stats)
+        assert stats["fused_decode"] is True
+        unfused = generate(decoder, prompt, 12, cache=cache_for_generation(decoder, 1, len(prompt) + 11, dtype),
+                           fused=False)
+        assert torch.equal(out, unfused)
+    assert not isinstance(cache_for_generation(decoder, 1, 16, "fp16"), KVPool)
+    assert not isinstance(cache_for_generation(decoder, 1, 16, "int4"), KVPool)  # the C step does not read int4

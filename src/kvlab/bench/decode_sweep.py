@@ -50,11 +50,11 @@ def _timing(prefill_s: float, decode_s: float, batch: int, context: int, new_tok
 
 
 def kvlab_runner(model, kv_cache_dtype: str = "auto") -> Callable[[list[list[int]], int], dict]:
-    from kvlab.nn.generate import generate
+    from kvlab.nn.generate import cache_for_generation, generate
 
     def run(prompts: list[list[int]], new_tokens: int) -> dict:
         tokens = torch.tensor(prompts)
-        cache = model.new_cache(len(prompts), tokens.shape[1] + new_tokens - 1, kv_cache_dtype)
+        cache = cache_for_generation(model, len(prompts), tokens.shape[1] + new_tokens - 1, kv_cache_dtype)
         stats: dict = {}
         with torch.inference_mode():
             generate(model, tokens, new_tokens, cache=cache, stats=stats)

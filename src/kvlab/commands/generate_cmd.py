@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvlab.checkpoints.tokenizer import TextStream
-    from kvlab.nn.generate import generate
+    from kvlab.nn.generate import cache_for_generation, generate
 
     loaded = load_from_args(args)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if total > model.config.max_seq_len:
         raise PlanError(f"prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} exceeds the model's "
                         f"{model.config.max_seq_len}-token context")
-    cache = model.new_cache(1, total, args.kv_cache_dtype)
+    cache = cache_for_generation(model, 1, total, args.kv_cache_dtype)
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
     write("\n")
     steps = stats["decode_steps"]
     rate = f", {steps / stats['decode_s']:.1f} tok/s decode" if steps and stats["decode_s"] > 0 else ""
+    held = (f"KV pool {args.kv_cache_dtype} {cache.nbytes():,} B ({cache.num_blocks} blocks of {cache.block_size} tokens)"
+            if hasattr(cache, "num_blocks") else f"KV cache {args.kv_cache_dtype} {cache.nbytes():,} B")
     print(f"[kvlab] {len(ids)} prompt + {out.shape[1]} new tokens; prefill {stats['prefill_s'] * 1e3:.0f} ms{rate}; "
-          f"KV cache {args.kv_cache_dtype} {cache.nbytes():,} B", file=sys.stderr)
+          f"{held}", file=sys.stderr)
     return 0
