@@ -21,9 +21,9 @@ import torch
 from kvlab.cache.base import CacheError
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
+from kvlab.errors import KvlabError
 from kvlab.nn.fused_decode import fused_step_for
 from kvlab.nn.model import Decoder
-from kvlab.errors import KvlabError
 from kvlab.nn.paged_decode import paged_step_for, why_not_paged
 
 TokenCallback = Callable[[torch.Tensor], None]
@@ -131,7 +131,7 @@ def _pooled(model: Decoder, pool: KVPool, tokens: torch.Tensor, max_new_tokens: 
     fed = [prompt_len] * batch  # tokens each sequence holds
 
     def prefill() -> torch.Tensor:
-        step = StepBatch.build([0] * batch, fed, tables, pool.block_size)
+        step = StepBatch.build([0] * batch, [prompt_len] * batch, tables, pool.block_size)
         return model(tokens.reshape(1, -1), pool, last_only=True, step=step)[0]
 
     c_step = paged_step_for(model, pool, batch) if fused else None
