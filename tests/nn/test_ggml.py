@@ -87,7 +87,7 @@ def test_the_interleaved_kernel_equals_its_integer_reference(kind, activations, 
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def _isas_here() -> list[str]:
+def isas_here() -> list[str]:
     """The kernels' instruction sets this machine can run."""
     here = []
     for isa in KERNEL_ISAS:
@@ -107,7 +107,7 @@ def test_every_instruction_set_gives_the_same_bits(kind, activations, out_featur
     the same int32 sums, and the float steps after them are the same per lane: outputs must be
     identical, not close, at every tile and remainder of either (6 and 8 rows) and across a
     second chunk of rows."""
-    here = _isas_here()
+    here = isas_here()
     if len(here) < 2:
         pytest.skip(f"this CPU runs only {here}: nothing to compare")
     planes = random_planes(kind, out_features, 160, np.random.default_rng(8))

@@ -13,13 +13,13 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
 from kvlab.cache.step import StepBatch
-from kvlab.errors import KvlabEnvironmentError
 from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.ggml import using_kernel_isa
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
 from test_fused_decode import GQA, TOLERANCE, assert_close_to_scale, ggml_model
+from test_ggml import isas_here
 
 from needs import require_kernels
 
@@ -187,11 +187,8 @@ INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), gr
 
 @pytest.mark.parametrize("config,group_size", INTEGER_SHAPES, ids=[c.name for c, _ in INTEGER_SHAPES])
 def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size):
-    try:
-        with using_kernel_isa("avx512_vnni"):
-            pass
-    except KvlabEnvironmentError as missing:
-        pytest.skip(str(missing))
+    if "avx512_vnni" not in isas_here():
+        pytest.skip("this CPU (or its OS) lacks AVX-512 VNNI")
     model = ggml_model(config)
     pool, tables, ids = filled_pool(model, POSITIONS[17], "int8", group_size)
     other = copy.deepcopy(pool)

@@ -54,6 +54,7 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvlab.cache.pool import KVPool
     from kvlab.checkpoints.tokenizer import TextStream
     from kvlab.nn.generate import cache_for_generation, generate
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     steps = stats["decode_steps"]
     rate = f", {steps / stats['decode_s']:.1f} tok/s decode" if steps and stats["decode_s"] > 0 else ""
     held = (f"KV pool {args.kv_cache_dtype} {cache.nbytes():,} B ({cache.num_blocks} blocks of {cache.block_size} tokens)"
-            if hasattr(cache, "num_blocks") else f"KV cache {args.kv_cache_dtype} {cache.nbytes():,} B")
+            if isinstance(cache, KVPool) else f"KV cache {args.kv_cache_dtype} {cache.nbytes():,} B")
     print(f"[kvlab] {len(ids)} prompt + {out.shape[1]} new tokens; prefill {stats['prefill_s'] * 1e3:.0f} ms{rate}; "
           f"{held}", file=sys.stderr)
     return 0

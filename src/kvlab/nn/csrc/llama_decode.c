@@ -233,24 +233,27 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = dtype == CACHE_INT8 ? part : scores;
-        float qsums[4]; /* int8: sum(q_g) per head, as the dots saw it */
-        if (dtype == CACHE_INT8 && c->integer) /* one group: the whole row */
+        float qsums[4]; /* int8 on integer products: sum(q) per head, as the dots saw it */
+        if (dtype == CACHE_INT8 && c->integer) { /* one group: the whole row */
             int8_key_dots_vnni(l->k.data, l->v.data, c->slots, c->len, d, q, GH, dots, qsums);
-        for (t = 0; t + TB <= c->len && !(dtype == CACHE_INT8 && c->integer); t += TB) {
-            if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
-                for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
-                    prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
-                    prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
-                }
-            key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+        } else {
+            for (t = 0; t + TB <= c->len; t += TB) {
+                if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
+                    for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
+                        prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
+                        prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
+                    }
+                key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+            }
+            for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
         }
-        for (; t < c->len && !(dtype == CACHE_INT8 && c->integer); t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
         if (dtype != CACHE_INT8) break;
         load_group(l, c, g);
         for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
-            for (int i = lo; i < hi && !c->integer; i++) qsum += q[h * d + i];
-            const __m256 qs = _mm256_set1_ps(c->integer ? qsums[h] : qsum);
+            if (c->integer) qsum = qsums[h];
+            else for (int i = lo; i < hi; i++) qsum += q[h * d + i];
+            const __m256 qs = _mm256_set1_ps(qsum);
             float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
             for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
                 __m256 dot = _mm256_fmadd_ps(_mm256_loadu_ps(ph + t), _mm256_loadu_ps(c->k_scale + t),
