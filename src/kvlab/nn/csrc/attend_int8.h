@@ -10,7 +10,9 @@
  * value, finer than an fp16 cache's own rounding (2^-11). Fewer instructions alone did not
  * pay: under perf the passes then waited on memory, and the gain (1.18x fp16 at 16 rows)
  * came with asking for the next keys (L1) and values (L2) while the current ones are summed,
- * and for each block's scales and zeros before the dots that need them.
+ * and for each block's scales and zeros before the dots that need them. The softmax between
+ * the passes then took a sixth of a 16-row step in AVX2's five passes of eight lanes; here it
+ * is two passes of sixteen, fused with the scale, zero and weight folds (1.30x fp16).
  */
 #ifndef KVLAB_ATTEND_INT8_H
 #define KVLAB_ATTEND_INT8_H
@@ -20,16 +22,21 @@
 
 #define INT8_DOT_MAX_HEAD_DIM 256 /* the widest head the integer path quantises the query for */
 
-/* dots[h][t] = q_h . codes_t (the raw codes; scale and zero apply to the whole product after)
- * for `heads` (1..4) query heads (q, stride d) and the `len` (<= CHUNK) cache rows `slots` of
- * `codes` ([rows, d] bytes), dots with stride CHUNK, each q_h rounded to 15 bits (its sum in
- * sums[h], for the zero term); the same rows of `values` are prefetched for the value pass. */
-void int8_key_dots_vnni(const uint8_t *codes, const uint8_t *values, const size_t *slots, int len, int d,
-                        const float *q, int heads, float *dots, float *sums);
+/* One attention unit's rows for the integer path: the codes, and per row one scale and zero
+ * each for K and V, widened to fp32 (llama_decode.c's chunk_rows holds them). */
+typedef struct {
+    const uint8_t *keys, *values; /* [rows, d] codes */
+    const size_t *slots;          /* the chunk's `len` (<= CHUNK) rows */
+    int len, d;
+    const float *k_scale, *k_zero, *v_scale, *v_zero; /* [len] */
+} int8_chunk;
 
-/* out[h][i] = (sum_t w[h][t] codes_t[i] + offset[h]) factor for `heads` (1..4) query heads
- * (w stride CHUNK, weights >= 0; out stride d) over the `len` rows `slots` of `codes`. */
-void int8_value_sums_vnni(const uint8_t *codes, const size_t *slots, int len, int d, const float *w, int heads,
-                          const float *offset, float factor, float *out);
+/* Softmax partials of `heads` (1..4) query heads (q, stride d) over the chunk: top[h] the
+ * largest score q_h . k_t k_factor, total[h] the sum of exp(score - top), out[h] (stride d)
+ * the exp-weighted sum of values times v_factor. Each q_h is rounded to 15 bits against its
+ * dot products with the raw codes (its sum meets the zeros), and the weights to 15-bit words
+ * against the value codes. */
+void int8_attend_vnni(const int8_chunk *c, const float *q, int heads, float k_factor, float v_factor, float *top,
+                      float *total, float *out);
 
 #endif

@@ -16,6 +16,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "attend_int8.h"
@@ -56,12 +57,9 @@ static float split_query(const float *q, int d, int8_t *hi, int8_t *lo, float *s
     return scale;
 }
 
-/* w[len] (>= 0) rounded to 15-bit words, token pairs (2j, 2j + 1) packed as the low and high
- * words of pairs[j] (the operand order of vpdpwssd); returns the scale. */
-static float pair_weights(const float *w, int len, int32_t *pairs) {
-    __m512 top = _mm512_setzero_ps();
-    for (int t = 0; t < len; t += 16) top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(live_lanes(len - t), w + t));
-    const float largest = _mm512_reduce_max_ps(top);
+/* w[len] (0 <= w <= largest) rounded to 15-bit words, token pairs (2j, 2j + 1) packed as the
+ * low and high words of pairs[j] (the operand order of vpdpwssd); returns the scale. */
+static float pair_weights(const float *w, int len, float largest, int32_t *pairs) {
     const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
     for (int t = 0; t < len; t += 16) {
         const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live_lanes(len - t), w + t), inverse);
@@ -134,22 +132,13 @@ static inline __attribute__((always_inline)) void key_dots(const uint8_t *codes,
     }
 }
 
-void int8_key_dots_vnni(const uint8_t *codes, const uint8_t *values, const size_t *slots, int len, int d,
-                        const float *q, int heads, float *dots, float *sums) {
-    switch (heads) { /* the head count fixed at compile time, so the accumulators stay in registers */
-    case 1: key_dots(codes, values, slots, len, d, q, dots, sums, 1); break;
-    case 2: key_dots(codes, values, slots, len, d, q, dots, sums, 2); break;
-    case 3: key_dots(codes, values, slots, len, d, q, dots, sums, 3); break;
-    default: key_dots(codes, values, slots, len, d, q, dots, sums, 4);
-    }
-}
-
 static inline __attribute__((always_inline)) void value_sums(const uint8_t *codes, const size_t *slots, int len,
-                                                            int d, const float *w, const float *offset,
-                                                            float factor, float *out, const int H) {
+                                                            int d, const float *w, const float *largest,
+                                                            const float *offset, float factor, float *out,
+                                                            const int H) {
     int32_t pairs[4][CHUNK / 2 + 8]; /* tokens 2j and 2j + 1's weights as two 16-bit words (+8: whole stores) */
     float wscale[4];
-    for (int h = 0; h < H; h++) wscale[h] = pair_weights(w + h * CHUNK, len, pairs[h]);
+    for (int h = 0; h < H; h++) wscale[h] = pair_weights(w + h * CHUNK, len, largest[h], pairs[h]);
     const __m512i none = _mm512_setzero_si512();
     for (int seg = 0; seg < d; seg += 64) {
         __m512i acc[4][4];
@@ -180,12 +169,69 @@ static inline __attribute__((always_inline)) void value_sums(const uint8_t *code
     }
 }
 
-void int8_value_sums_vnni(const uint8_t *codes, const size_t *slots, int len, int d, const float *w, int heads,
-                          const float *offset, float factor, float *out) {
-    switch (heads) {
-    case 1: value_sums(codes, slots, len, d, w, offset, factor, out, 1); break;
-    case 2: value_sums(codes, slots, len, d, w, offset, factor, out, 2); break;
-    case 3: value_sums(codes, slots, len, d, w, offset, factor, out, 3); break;
-    default: value_sums(codes, slots, len, d, w, offset, factor, out, 4);
+/* e^x for x <= 0, sixteen lanes: exp8's reduction and polynomial, 2^n applied by vscalefps. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 in two parts, for precision */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p;
+    EXP_REDUCED(p, r, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_set1_ps);
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Scores to softmax weights for H heads, two passes of sixteen tokens: score = (dot scale +
+ * zero sum(q)) k_factor and the largest; then e = exp(score - largest), its sum, the value
+ * pass's weights e v_scale (in place of the dots) with their largest, and the weights' share
+ * of the value zeros. The AVX2 loop took five passes of eight (a sixth of a 16-row step). */
+static inline __attribute__((always_inline)) void softmax_weights(const int8_chunk *c, float *dots, const float *qsums,
+                                                                 float k_factor, float *top, float *total,
+                                                                 float *largest, float *offset, const int H) {
+    const __m512 kf = _mm512_set1_ps(k_factor);
+    for (int h = 0; h < H; h++) {
+        float *x = dots + h * CHUNK;
+        const __m512 qs = _mm512_set1_ps(qsums[h]);
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < c->len; t += 16) {
+            const __mmask16 m = live_lanes(c->len - t);
+            const __m512 zero_term = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, c->k_zero + t), qs);
+            const __m512 score = _mm512_mul_ps(
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + t), _mm512_maskz_loadu_ps(m, c->k_scale + t), zero_term), kf);
+            _mm512_mask_storeu_ps(x + t, m, score);
+            most = _mm512_mask_max_ps(most, m, most, score);
+        }
+        const float best = _mm512_reduce_max_ps(most);
+        __m512 sum = _mm512_setzero_ps(), share = _mm512_setzero_ps(), wmost = _mm512_setzero_ps();
+        for (int t = 0; t < c->len; t += 16) {
+            const __mmask16 m = live_lanes(c->len - t);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + t), _mm512_set1_ps(best))));
+            sum = _mm512_add_ps(sum, e);
+            share = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(m, c->v_zero + t), share);
+            const __m512 w = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(m, c->v_scale + t));
+            wmost = _mm512_max_ps(wmost, w);
+            _mm512_mask_storeu_ps(x + t, m, w);
+        }
+        top[h] = best, total[h] = _mm512_reduce_add_ps(sum), offset[h] = _mm512_reduce_add_ps(share);
+        largest[h] = _mm512_reduce_max_ps(wmost);
+    }
+}
+
+static inline __attribute__((always_inline)) void attend(const int8_chunk *c, const float *q, float k_factor,
+                                                        float v_factor, float *top, float *total, float *out,
+                                                        const int H) {
+    float dots[4 * CHUNK], qsums[4], largest[4], offset[4];
+    key_dots(c->keys, c->values, c->slots, c->len, c->d, q, dots, qsums, H);
+    softmax_weights(c, dots, qsums, k_factor, top, total, largest, offset, H);
+    value_sums(c->values, c->slots, c->len, c->d, dots, largest, offset, v_factor, out, H);
+}
+
+void int8_attend_vnni(const int8_chunk *c, const float *q, int heads, float k_factor, float v_factor, float *top,
+                      float *total, float *out) {
+    switch (heads) { /* the head count fixed at compile time, so the accumulators stay in registers */
+    case 1: attend(c, q, k_factor, v_factor, top, total, out, 1); break;
+    case 2: attend(c, q, k_factor, v_factor, top, total, out, 2); break;
+    case 3: attend(c, q, k_factor, v_factor, top, total, out, 3); break;
+    default: attend(c, q, k_factor, v_factor, top, total, out, 4);
     }
 }

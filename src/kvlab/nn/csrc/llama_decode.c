@@ -83,13 +83,8 @@ static inline __m256 exp8(__m256 x) {
     const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts, for precision */
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 p;
+    EXP_REDUCED(p, r, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_set1_ps);
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
@@ -230,29 +225,29 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     const int groups = dtype == CACHE_INT8 ? c->groups : 1, gsize = dtype == CACHE_INT8 ? c->gsize : d;
     float part[4 * CHUNK]; /* int8: one group's dot products, or its weights */
     int t;
+    if (dtype == CACHE_INT8 && c->integer) { /* one group: the whole row, in attend_int8_vnni.c */
+        load_group(l, c, 0);
+        const int8_chunk rows = {l->k.data, l->v.data, c->slots, c->len, d, c->k_scale, c->k_zero, c->v_scale, c->v_zero};
+        int8_attend_vnni(&rows, q, GH, k_factor, v_factor, part_max, part_sum, out);
+        return;
+    }
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = dtype == CACHE_INT8 ? part : scores;
-        float qsums[4]; /* int8 on integer products: sum(q) per head, as the dots saw it */
-        if (dtype == CACHE_INT8 && c->integer) { /* one group: the whole row */
-            int8_key_dots_vnni(l->k.data, l->v.data, c->slots, c->len, d, q, GH, dots, qsums);
-        } else {
-            for (t = 0; t + TB <= c->len; t += TB) {
-                if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
-                    for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
-                        prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
-                        prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
-                    }
-                key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
-            }
-            for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+        for (t = 0; t + TB <= c->len; t += TB) {
+            if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
+                for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
+                    prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
+                    prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
+                }
+            key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
         }
+        for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
         if (dtype != CACHE_INT8) break;
         load_group(l, c, g);
         for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
-            if (c->integer) qsum = qsums[h];
-            else for (int i = lo; i < hi; i++) qsum += q[h * d + i];
+            for (int i = lo; i < hi; i++) qsum += q[h * d + i];
             const __m256 qs = _mm256_set1_ps(qsum);
             float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
             for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
@@ -299,10 +294,6 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                 offset[h] = hsum(share);
             }
             w = part;
-            if (c->integer) {
-                int8_value_sums_vnni(l->v.data, c->slots, c->len, d, w, GH, offset, v_factor, out);
-                break;
-            }
         }
         int i = lo;
         for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, NV);

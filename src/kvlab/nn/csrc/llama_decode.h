@@ -23,6 +23,19 @@ enum {
 #define CHUNK 128    /* tokens per attention work unit */
 #define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
 
+/* p = e^r for |r| <= ln2 / 2, the polynomial that exp8 (AVX2, llama_decode.c) and exp16
+ * (AVX-512, attend_int8_vnni.c) evaluate with their width's FMADD, MUL, ADD and SET1. */
+#define EXP_REDUCED(p, r, FMADD, MUL, ADD, SET1)                                  \
+    do {                                                                          \
+        p = SET1(1.9875691500e-4f);                                               \
+        p = FMADD(p, r, SET1(1.3981999507e-3f));                                  \
+        p = FMADD(p, r, SET1(8.3334519073e-3f));                                  \
+        p = FMADD(p, r, SET1(4.1665795894e-2f));                                  \
+        p = FMADD(p, r, SET1(1.6666665459e-1f));                                  \
+        p = FMADD(p, r, SET1(5.0000001201e-1f));                                  \
+        p = FMADD(p, MUL(r, r), ADD(r, SET1(1.0f)));                              \
+    } while (0)
+
 /* One side (K or V) of one layer's cache. Float and fp8 caches use `data` alone (and fp8 its
  * per-head scales); int8 caches keep codes in `data` and per-group fp16 scale/zero beside. */
 typedef struct {
