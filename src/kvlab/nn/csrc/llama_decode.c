@@ -226,7 +226,6 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     float part[4 * CHUNK]; /* int8: one group's dot products, or its weights */
     int t;
     if (dtype == CACHE_INT8 && c->integer) { /* one group: the whole row, in attend_int8_vnni.c */
-        load_group(l, c, 0);
         const int8_chunk rows = {l->k.data, l->v.data, c->slots, c->len, d, c->k_scale, c->k_zero, c->v_scale, c->v_zero};
         int8_attend_vnni(&rows, q, GH, k_factor, v_factor, part_max, part_sum, out);
         return;
@@ -341,6 +340,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         prefetch_row(&l->k, dtype, c.slots[t], d, c.groups);
         prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
     }
+    if (c.integer) load_group(l, &c, 0); /* the rows' scales and zeros, once for every pack of query heads */
     const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
     for (int h = 0; h < group;) {
