@@ -40,34 +40,35 @@ POSITIONS = {1: [317], 3: [10, 317, 4],
              17: [0, 1, 4, 5, 9, 10, 14, 22, 63, 127, 128, 129, 130, 201, 255, 256, 317]}
 
 
-def layout(positions: list[int], num_blocks: int, seed: int = 0) -> list[list[int]]:
+def layout(positions: list[int], num_blocks: int, seed: int = 0, block_size: int = BLOCK) -> list[list[int]]:
     """Block tables for rows decoding at `positions`: shuffled, non-contiguous blocks, and some
     tables a block longer than needed (the engine allocates ahead), so padding is exercised."""
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, at = [], 0
     for row, pos in enumerate(positions):
-        need = (pos + 1) // BLOCK + 1 + row % 2  # room for two steps
+        need = (pos + 1) // block_size + 1 + row % 2  # room for two steps
         tables.append(order[at:at + need])
         at += need
     assert at <= num_blocks
     return tables
 
 
-def filled_pool(model: Decoder, positions: list[int], kv_cache_dtype: str, group_size=None, **pool_args):
+def filled_pool(model: Decoder, positions: list[int], kv_cache_dtype: str, group_size=None, block_size: int = BLOCK,
+                **pool_args):
     """A pool holding each row's first `positions[r]` tokens (written by the module path), the tables, and ids."""
-    need = sum(pos // BLOCK + 3 for pos in positions)
+    need = sum(pos // block_size + 3 for pos in positions)
     if pool_args:
         pool = KVPool(model.config.n_layers, model.config.kv_heads, model.config.head_size, model.config.head_size,
-                      need + 7, BLOCK, **pool_args)
+                      need + 7, block_size, **pool_args)
     else:
-        pool = KVPool.for_model(model.config, need + 7, BLOCK, kv_cache_dtype, group_size=group_size)
-    tables = layout(positions, pool.num_blocks)
+        pool = KVPool.for_model(model.config, need + 7, block_size, kv_cache_dtype, group_size=group_size)
+    tables = layout(positions, pool.num_blocks, block_size=block_size)
     generator = torch.Generator().manual_seed(2)
     prompts = [(row, pos) for row, pos in enumerate(positions) if pos > 0]
     if prompts:
         lens = [pos for _, pos in prompts]
         tokens = torch.randint(0, model.config.vocab_size, (1, sum(lens)), generator=generator)
-        batch = StepBatch.build([0] * len(lens), lens, [tables[row] for row, _ in prompts], BLOCK)
+        batch = StepBatch.build([0] * len(lens), lens, [tables[row] for row, _ in prompts], block_size)
         with torch.inference_mode():
             model(tokens, pool, last_only=True, step=batch)
     ids = torch.randint(0, model.config.vocab_size, (len(positions),), generator=generator)
@@ -178,21 +179,23 @@ def test_seventeen_rows_in_an_int8_pool(activations):
 # a head of two 64-byte segments, 17 rows whose chunks end at many lengths. One layer, so both
 # steps write the same codes; with more, a last-bit difference in one layer's attention can
 # move a later layer's K/V code across a rounding boundary, and the logits compared would
-# measure that step of the int8 grid instead of the arithmetic.
+# measure that step of the int8 grid instead of the arithmetic. Blocks of 5 tokens (chunks
+# cut blocks) and of 16 (the engine's default, whole blocks in a chunk).
 INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), group) for shape, group in [
     ({"dim": 128, "n_heads": 2, "n_kv_heads": 2, "name": "d64-pack1"}, None),
     ({"dim": 256, "n_heads": 2, "n_kv_heads": 1, "name": "d128-pack2"}, 128),
     ({"dim": 512, "n_heads": 8, "n_kv_heads": 1, "name": "d64-group8"}, None)]]
 
 
+@pytest.mark.parametrize("block_size", [BLOCK, 16])
 @pytest.mark.parametrize("config,group_size", INTEGER_SHAPES, ids=[c.name for c, _ in INTEGER_SHAPES])
-def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size):
+def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size, block_size):
     if "avx512_vnni" not in isas_here():
         pytest.skip("this CPU (or its OS) lacks AVX-512 VNNI")
     model = ggml_model(config)
-    pool, tables, ids = filled_pool(model, POSITIONS[17], "int8", group_size)
+    pool, tables, ids = filled_pool(model, POSITIONS[17], "int8", group_size, block_size)
     other = copy.deepcopy(pool)
-    batch = StepBatch.build(POSITIONS[17], [1] * 17, tables, BLOCK)
+    batch = StepBatch.build(POSITIONS[17], [1] * 17, tables, block_size)
     with using_kernel_isa("avx2"):
         fp32_products = PagedDecodeStep(model, pool, max_rows=17)(ids, batch)
     with using_kernel_isa("avx512_vnni"):

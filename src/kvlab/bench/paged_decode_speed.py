@@ -1,6 +1,7 @@
 """Decode steps over the engine's paged pool: the C step (kvlab.nn.paged_decode) against the module path.
 
     python -m kvlab.bench.paged_decode_speed [--repeats 15] [--rows 16] [--context 4096] [--threads N]
+                                             [--block-sizes 16,64] [--json PATH]
 
 Two measurements on SmolLM2-135M (Q4_1 GGUF blocks, fp32 activations), each a ratio within
 one run, the contenders taking turns so that load from other processes falls on all alike:
@@ -11,7 +12,11 @@ one run, the contenders taking turns so that load from other processes falls on 
    fp8 (e4m3) pools, where the narrow pools read about half of fp16's bytes in attention. At
    one row the weights (112 MB a step) are read as often as SmolLM2's 94 MB of fp16 K/V at
    4,096 tokens, so halving the K/V can gain at most about 1.25x; at 16 rows the K/V is 93% of
-   the bytes.
+   the bytes. Measured at each of `--block-sizes`: an attention unit reads one KV head's rows
+   of each block, one contiguous run of block_size x head_dim codes between jumps to wherever
+   the next block sits (1 KiB for int8 at 16 tokens, 2 KiB for fp16), and on this kind of
+   machine short runs cost int8 more per byte than fp16 (vLLM's CPU backend defaults to
+   128-token blocks and warns below multiples of 32).
 
 The pools are filled with random K/V rather than a prefill (minutes of CPU for the 16 rows);
 a step's time does not depend on the values. Medians of `--repeats` steps after a warm-up.
@@ -23,22 +28,27 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kvlab.bench.provenance import provenance
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.checkpoints.resolve import load_checkpoint
+from kvlab.commands.args import positive_int, positive_int_list
 from kvlab.nn.paged_decode import PagedDecodeStep
+from kvlab.studies.store import write_json
 
-BLOCK = 16
+BLOCK = 16  # the engine's default block size
 
 
-def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0) -> tuple[KVPool, list[list[int]]]:
+def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
+                block_size: int = BLOCK) -> tuple[KVPool, list[list[int]]]:
     """A pool holding random K/V for rows decoding at `positions`, with shuffled block tables."""
-    need = [pos // BLOCK + 1 for pos in positions]
-    pool = KVPool.for_model(model.config, sum(need), BLOCK, kv_cache_dtype)
+    need = [pos // block_size + 1 for pos in positions]
+    pool = KVPool.for_model(model.config, sum(need), block_size, kv_cache_dtype)
     generator = torch.Generator().manual_seed(seed)
     for tensor in pool.tensors():
         if tensor.dtype == torch.uint8:
@@ -70,11 +80,15 @@ def median_ms(contenders: dict[str, Callable[[], object]], repeats: int) -> dict
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=15, help="timed steps per contender (median; 15)")
+    parser.add_argument("--rows", type=positive_int, default=16, help="sequences in the batched steps (16)")
+    parser.add_argument("--context", type=positive_int, default=4096,
+                        help="tokens per row for the fp16/int8/fp8 steps (4096)")
+    parser.add_argument("--block-sizes", type=positive_int_list, default=[BLOCK],
+                        help=f"tokens per pool block for the fp16/int8/fp8 steps, comma-separated ({BLOCK})")
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures here, with provenance")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,22 +110,34 @@ def main(argv=None) -> dict:
           f"C step {batched['C step']:.1f} ms, module path {batched['module path']:.1f} ms, "
           f"{batched['module path'] / batched['C step']:.2f}x")
 
-    long = {}
-    for rows in sorted({1, args.rows}):
-        steps = {}
-        for dtype in ("fp16", "int8", "fp8"):
-            pool, tables = random_pool(model, [args.context] * rows, dtype)
-            at = StepBatch.build([args.context] * rows, [1] * rows, tables, BLOCK)
-            steps[dtype] = (PagedDecodeStep(model, pool, rows), at)
-            del pool
-        tokens = ids[:rows]
-        long[rows] = median_ms({dtype: (lambda s=s, b=b: s(tokens, b)) for dtype, (s, b) in steps.items()},
-                               args.repeats)
-        print(f"{rows} row{'s' if rows > 1 else ''} at {args.context} tokens, C step: " + ", ".join(
-            f"{dtype} {ms:.1f} ms ({long[rows]['fp16'] / ms:.2f}x fp16's speed)" for dtype, ms in long[rows].items()))
-        del steps
+    by_block = {}
+    for block_size in args.block_sizes:
+        long = by_block[block_size] = {}
+        for rows in sorted({1, args.rows}):
+            steps = {}
+            for dtype in ("fp16", "int8", "fp8"):
+                pool, tables = random_pool(model, [args.context] * rows, dtype, block_size=block_size)
+                at = StepBatch.build([args.context] * rows, [1] * rows, tables, block_size)
+                steps[dtype] = (PagedDecodeStep(model, pool, rows), at)
+                del pool
+            tokens = ids[:rows]
+            long[rows] = median_ms({dtype: (lambda s=s, b=b: s(tokens, b)) for dtype, (s, b) in steps.items()},
+                                   args.repeats)
+            print(f"{rows} row{'s' if rows > 1 else ''} at {args.context} tokens, {block_size}-token blocks, "
+                  "C step: " + ", ".join(f"{dtype} {ms:.1f} ms ({long[rows]['fp16'] / ms:.2f}x fp16's speed)"
+                                         for dtype, ms in long[rows].items()))
+            del steps
     print(f"load average {os.getloadavg()[0]:.2f} at end")
-    return {"batched_ms": batched, "long_context_ms": long[1], "long_context_rows_ms": long}
+    first = by_block[args.block_sizes[0]]
+    result = {"batched_ms": batched, "long_context_ms": first[1], "long_context_rows_ms": first,
+              "long_context_by_block_size_ms": by_block,
+              "settings": {"rows": args.rows, "context": args.context, "repeats": args.repeats,
+                           "block_sizes": args.block_sizes, "seed": 0},
+              "provenance": provenance(args.threads)}
+    if args.json:
+        write_json(Path(args.json), result)
+        print(f"wrote {args.json}")
+    return result
 
 
 if __name__ == "__main__":

@@ -48,3 +48,14 @@ def comma_list(text: str) -> list[str]:
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
     return items
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers (batch sizes, contexts, concurrency levels, lengths)."""
+    try:
+        values = [int(item) for item in comma_list(text)]
+    except (ValueError, argparse.ArgumentTypeError):
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,4,16, got {text!r}")
+    return values

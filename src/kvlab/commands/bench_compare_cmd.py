@@ -8,8 +8,7 @@ import shlex
 import sys
 
 from kvlab.studies.store import write_json
-from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int
-from kvlab.commands.bench_serve_cmd import concurrency_list
+from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int, positive_int_list
 
 COMPARE_HELP = ("start kvlab's server and its peers (llama.cpp, transformers, vLLM) on the same model and run the "
                 "same serving sweep against each: one table, one JSON")
@@ -48,9 +47,9 @@ def add_parser(benches) -> None:
     work.add_argument("--dataset-name", default="random", choices=("random", "prefix-repetition"))
     work.add_argument("--num-prompts", type=prompts_count, default=("x", 2),
                       help="requests per level: N, or Kx for K times the concurrency, at least 4 (default 2x)")
-    work.add_argument("--max-concurrency", type=concurrency_list, default=[1, 4, 16],
+    work.add_argument("--max-concurrency", type=positive_int_list, default=[1, 4, 16],
                       help="levels (default 1,4,16)")
-    work.add_argument("--input-len", type=concurrency_list, default=[128],
+    work.add_argument("--input-len", type=positive_int_list, default=[128],
                       help="random: prompt tokens; a list such as 128,1024 runs each (default 128)")
     work.add_argument("--output-len", type=positive_int, default=64, help="tokens asked for (default 64)")
     work.add_argument("--prefix-len", type=non_negative_int, help="random: shared prefix tokens (default 0); "

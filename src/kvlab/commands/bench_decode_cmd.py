@@ -5,29 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvlab.commands.args import comma_list, positive_float, positive_int
+from kvlab.commands.args import comma_list, positive_float, positive_int, positive_int_list
 from kvlab.plan.errors import PlanError
 
 DECODE_HELP = ("offline prefill and decode throughput against batch size and context: kvlab, transformers generate "
                "and llama.cpp on the same GGUF, interleaved, as ratios to kvlab and fractions of the roofline")
 
 
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in comma_list(text)]
-    except ValueError:
-        values = [0]
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,4,16, got {text!r}")
-    return values
-
-
 def add_parser(benches) -> None:
     p = benches.add_parser("decode", help=DECODE_HELP, description=DECODE_HELP + ". Without --full-grid every "
                            "batch runs at the shortest context and every context at batch 1.")
     p.add_argument("model", help="a kvlab model name or GGUF file (e.g. smollm2-135m)")
-    p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 8, 16, 32], help="default 1,4,8,16,32")
-    p.add_argument("--contexts", type=int_list, default=[128, 512, 1024, 2048, 4096],
+    p.add_argument("--batch-sizes", type=positive_int_list, default=[1, 4, 8, 16, 32], help="default 1,4,8,16,32")
+    p.add_argument("--contexts", type=positive_int_list, default=[128, 512, 1024, 2048, 4096],
                    help="prompt tokens before decoding (default 128,512,1024,2048,4096)")
     p.add_argument("--full-grid", action="store_true", help="every batch at every context (slow)")
     p.add_argument("--new-tokens", type=positive_int, default=16, help="tokens decoded per sequence (default 16)")

@@ -10,20 +10,10 @@ import sys
 import time
 from typing import Optional
 
-from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int
+from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int, positive_int_list
 
 SERVE_HELP = "an OpenAI-compatible server under load: TTFT, TPOT, ITL, E2EL and throughput (after vllm bench serve)"
 DATASETS = ("random", "sharegpt", "prefix-repetition")
-
-
-def concurrency_list(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in comma_list(text)]
-    except ValueError:
-        levels = [0]
-    if any(level < 1 for level in levels):
-        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,4,16, got {text!r}")
-    return levels
 
 
 def rate(text: str) -> float:
@@ -77,7 +67,7 @@ def add_parser(benches) -> None:
                       "when it names one; else the server's usage counts)")
     data.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
     load = p.add_argument_group("load")
-    load.add_argument("--max-concurrency", type=concurrency_list,
+    load.add_argument("--max-concurrency", type=positive_int_list,
                       help="requests in flight at most; a list such as 1,4,16 runs each level (default: no cap)")
     load.add_argument("--request-rate", type=rate, default=float("inf"),
                       help="requests/s, Poisson arrivals; inf sends all at once (default inf)")

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvlab.commands.args import non_negative_int, positive_int
+from kvlab.commands.args import non_negative_int, positive_int, positive_int_list
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES
 
 TASKS = ("perplexity", "passkey")
@@ -27,16 +27,6 @@ Perplexity is computed through the cache, --chunk tokens at a time, on --text (d
 Shelley's Frankenstein from the shared folder's data/english; a well-known novel may be partly
 memorised by the model, so read the figures as comparisons between settings, not absolutes).
 """
-
-
-def positive_int_list(text: str) -> list[int]:
-    try:
-        values = [int(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 def fraction_list(text: str) -> list[float]:

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from kvlab.cache.base import model_dtype_name
-from kvlab.cache.pool import KVPool
+from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.detokenizer import Detokenizer
 from kvlab.engine.errors import RequestError
@@ -42,7 +42,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_memory: Optional[Union[int, str]] = None  # bytes or "2GiB"; None: a share of available memory
     kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's own context length

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from kvlab.cache.base import CacheError
-from kvlab.cache.pool import KVPool
+from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.errors import KvlabError
 from kvlab.nn.fused_decode import fused_step_for
@@ -28,7 +28,7 @@ from kvlab.nn.paged_decode import paged_step_for, why_not_paged
 
 TokenCallback = Callable[[torch.Tensor], None]
 CONTIGUOUS_C_FORMATS = ("auto", "fp32", "fp16", "bf16")  # what kvlab.nn.fused_decode reads in place
-POOL_BLOCK = 16  # tokens per block of the pools made here (the engine's default)
+POOL_BLOCK = DEFAULT_BLOCK_SIZE  # tokens per block of the pools made here, as the engine's
 
 
 def cache_for_generation(model: Decoder, batch: int, capacity: int, kv_cache_dtype: str = "auto"):
