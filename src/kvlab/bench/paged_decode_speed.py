@@ -34,14 +34,14 @@ from typing import Callable
 import torch
 
 from kvlab.bench.provenance import provenance
-from kvlab.cache.pool import KVPool
+from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.checkpoints.resolve import load_checkpoint
 from kvlab.commands.args import positive_int, positive_int_list
 from kvlab.nn.paged_decode import PagedDecodeStep
 from kvlab.studies.store import write_json
 
-BLOCK = 16  # the engine's default block size
+BLOCK = 16  # the mixed-position step's blocks: vLLM's GPU default, so rows cross many block boundaries
 
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
@@ -84,8 +84,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=positive_int, default=16, help="sequences in the batched steps (16)")
     parser.add_argument("--context", type=positive_int, default=4096,
                         help="tokens per row for the fp16/int8/fp8 steps (4096)")
-    parser.add_argument("--block-sizes", type=positive_int_list, default=[BLOCK],
-                        help=f"tokens per pool block for the fp16/int8/fp8 steps, comma-separated ({BLOCK})")
+    parser.add_argument("--block-sizes", type=positive_int_list, default=[BLOCK, DEFAULT_BLOCK_SIZE],
+                        help=f"tokens per pool block for the fp16/int8/fp8 steps, comma-separated "
+                             f"({BLOCK},{DEFAULT_BLOCK_SIZE}: vLLM's GPU default and the engine's)")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here, with provenance")
