@@ -29,7 +29,8 @@ COMMANDS = {
     "uptrain": ("uptrain_cmd", "distil a converted model from its source (KL on teacher logits + LM loss)"),
     "export": ("export_cmd", "the vllm serve command for a converted model, and the capacity vLLM will log"),
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
-    "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare (peers)"),
+    "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare "
+                           "(peers), paged-decode (the C step by KV format and block size)"),
     "draft": ("draft_cmd", "a speculative-decoding draft distilled from the target's own text (corpus, train)"),
     "eval": ("eval_cmd", "quality under a KV setting: perplexity and passkey retrieval through the cache"),
     "calibrate-kv": ("calibrate_kv_cmd", "fit KVQuant's per-layer KV codebooks on calibration text (kvquant3/4)"),

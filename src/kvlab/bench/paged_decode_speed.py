@@ -1,7 +1,8 @@
 """Decode steps over the engine's paged pool: the C step (kvlab.nn.paged_decode) against the module path.
 
-    python -m kvlab.bench.paged_decode_speed [--repeats 15] [--rows 16] [--context 4096] [--threads N]
-                                             [--block-sizes 16,64] [--json PATH]
+    kvlab bench paged-decode [--repeats 15] [--rows 16] [--context 4096] [--threads N]
+                             [--block-sizes 16,64] [--json PATH]
+    (or python -m kvlab.bench.paged_decode_speed with the same flags)
 
 Two measurements on SmolLM2-135M (Q4_1 GGUF blocks, fp32 activations), each a ratio within
 one run, the contenders taking turns so that load from other processes falls on all alike:
@@ -34,14 +35,14 @@ from typing import Callable
 import torch
 
 from kvlab.bench.provenance import provenance
-from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
+from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.checkpoints.resolve import load_checkpoint
-from kvlab.commands.args import positive_int, positive_int_list
+from kvlab.commands.bench_paged_cmd import BLOCK, HELP, add_arguments
 from kvlab.nn.paged_decode import PagedDecodeStep
 from kvlab.studies.store import write_json
 
-BLOCK = 16  # the mixed-position step's blocks: vLLM's GPU default, so rows cross many block boundaries
+from kvlab.commands.bench_paged_cmd import BLOCK
 
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
@@ -78,19 +79,8 @@ def median_ms(contenders: dict[str, Callable[[], object]], repeats: int) -> dict
     return {name: 1000 * statistics.median(values) for name, values in times.items()}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=positive_int, default=15, help="timed steps per contender (median; 15)")
-    parser.add_argument("--rows", type=positive_int, default=16, help="sequences in the batched steps (16)")
-    parser.add_argument("--context", type=positive_int, default=4096,
-                        help="tokens per row for the fp16/int8/fp8 steps (4096)")
-    parser.add_argument("--block-sizes", type=positive_int_list, default=[BLOCK, DEFAULT_BLOCK_SIZE],
-                        help=f"tokens per pool block for the fp16/int8/fp8 steps, comma-separated "
-                             f"({BLOCK},{DEFAULT_BLOCK_SIZE}: vLLM's GPU default and the engine's)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures here, with provenance")
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> dict:
+    """Both measurements, printed as they finish; the figures (with provenance) returned and, with --json, written."""
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_checkpoint("smollm2-135m", torch.float32, "gguf").model
@@ -139,6 +129,12 @@ def main(argv=None) -> dict:
         write_json(Path(args.json), result)
         print(f"wrote {args.json}")
     return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
