@@ -33,8 +33,8 @@ LAZY_ZEROS_BYTES = 1 << 20
 # Tokens per block unless told otherwise (the engine, `kvlab serve`, `kvlab generate`'s pools).
 # The C step reads one KV head's rows of a block as one run between jumps to wherever the next
 # block sits; at 16 tokens (vLLM's GPU default) an int8 run is 1 KiB and on this project's
-# CPUs int8 decode then ran only 1.21-1.35x fp16's speed at 4,096 tokens and 16 rows, at 64
-# 1.42-1.50x, fp16 no slower (kvlab.bench.paged_decode_speed). vLLM's CPU backend defaults to
+# CPUs int8 decode then ran only 1.19-1.35x fp16's speed at 4,096 tokens and 16 rows, at 64
+# 1.42-1.50x, and fp16 itself 0.99-1.19x faster (`kvlab bench paged-decode`). vLLM's CPU backend defaults to
 # 128 and warns below multiples of 32; 64 measured as fast and keeps prefix caching finer.
 DEFAULT_BLOCK_SIZE = 64
 
