@@ -42,8 +42,6 @@ from kvlab.commands.bench_paged_cmd import BLOCK, HELP, add_arguments
 from kvlab.nn.paged_decode import PagedDecodeStep
 from kvlab.studies.store import write_json
 
-from kvlab.commands.bench_paged_cmd import BLOCK
-
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
                 block_size: int = BLOCK) -> tuple[KVPool, list[list[int]]]:

@@ -34,8 +34,9 @@ LAZY_ZEROS_BYTES = 1 << 20
 # The C step reads one KV head's rows of a block as one run between jumps to wherever the next
 # block sits; at 16 tokens (vLLM's GPU default) an int8 run is 1 KiB and on this project's
 # CPUs int8 decode then ran only 1.19-1.35x fp16's speed at 4,096 tokens and 16 rows, at 64
-# 1.42-1.50x, and fp16 itself 0.99-1.19x faster (`kvlab bench paged-decode`). vLLM's CPU backend defaults to
-# 128 and warns below multiples of 32; 64 measured as fast and keeps prefix caching finer.
+# 1.42-1.50x, and fp16 itself 0.99-1.19x faster (`kvlab bench paged-decode`). vLLM's CPU
+# backend defaults to 128 and warns below multiples of 32; 64 measured as fast as 128 and keeps
+# prefix caching finer.
 DEFAULT_BLOCK_SIZE = 64
 
 

@@ -15,7 +15,8 @@ THROUGHPUT_HELP = "N random prompts through the engine at once: request and toke
 
 def add_parser(subparsers, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode or paged-decode"))
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode or "
+                                                      "paged-decode"))
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
     add_engine_arguments(tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvlab.commands.args import comma_list, positive_float, positive_int, positive_int_list
+from kvlab.commands.args import positive_float, positive_int, positive_int_list
 from kvlab.plan.errors import PlanError
 
 DECODE_HELP = ("offline prefill and decode throughput against batch size and context: kvlab, transformers generate "

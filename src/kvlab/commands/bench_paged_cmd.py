@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per pool block for the fp16/int8/fp8 steps, comma-separated "
                              f"({BLOCK},{DEFAULT_BLOCK_SIZE}: vLLM's GPU default and the engine's)")
     parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of the ratio")
+                        help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of "
+                             "the ratio")
     parser.add_argument("--json", metavar="PATH", help="also write the figures here, with provenance")
 
 
