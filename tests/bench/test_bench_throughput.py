@@ -13,7 +13,7 @@ def test_throughput_json_counts_and_baselines(tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert main(["bench", "throughput", str(STORIES), "--num-prompts", "5", "--input-len", "20", "--output-len", "9",
                  "--kv-cache-memory", "2MB", "--max-num-seqs", "3", "--baselines", "--threads", "1",
-                 "--json", str(out)]) == 0
+                 "--block-size", "16", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     batched = result["batched"]
     assert batched["num_requests"] == 5 and batched["output_tokens"] == 5 * 9  # ignore_eos: exactly 9 each
@@ -22,6 +22,7 @@ def test_throughput_json_counts_and_baselines(tmp_path, capsys):
     # every run prefills its own prompts (20 tokens: a full block each, which the prefix cache
     # would hold): none was served from another run's cached blocks
     assert batched["prefix_cached_tokens"] == result["engine_one_at_a_time"]["prefix_cached_tokens"] == 0
+    assert result["block_size"] == 16
     assert result["generate_batch_1"]["output_tokens"] == 9
     assert result["ratio_batched_vs_engine_batch_1"] == pytest.approx(
         batched["output_tokens_per_s"] / result["engine_one_at_a_time"]["output_tokens_per_s"], rel=1e-12)

@@ -65,7 +65,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     bar = progress_bar(args.num_prompts, "requests", unit="req", enabled=sys.stderr.isatty())
     result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
-              "max_num_seqs": args.max_num_seqs, "capacity_lines": engine.capacity_lines,
+              "max_num_seqs": args.max_num_seqs, "block_size": engine.config.block_size,
+              "capacity_lines": engine.capacity_lines,
               "batched": run_engine(engine, prompts, args.output_len, progress=bar)}
     if bar is not None:
         bar.close()
