@@ -2,6 +2,7 @@
 
 import json
 
+from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.evals.setting import KVSetting
 from kvlab.report import real_models_throughput as throughput
 from needs import STORIES, require_file
@@ -23,6 +24,7 @@ def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     assert figures["num_requests"] == throughput.REQUESTS
     assert figures["output_tokens"] == throughput.REQUESTS * throughput.OUTPUT_LEN  # ignore_eos: every token
     assert figures["prefix_cached_tokens"] == 0  # the warm-up's prompt is not among the measured ones
+    assert figures["block_size"] == DEFAULT_BLOCK_SIZE  # recorded: the report's runs use the engine's default
     stored = json.loads((tmp_path / throughput.FILE).read_text())
     assert stored["workload"]["input_len"] == throughput.INPUT_LEN and "fp16" in stored["rows"]
     assert throughput.pending(tmp_path, settings) == []

@@ -62,6 +62,7 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
     figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)
     figures["capacity_lines"] = engine.capacity_lines
+    figures["block_size"] = engine.config.block_size
     figures["provenance"] = provenance(torch.get_num_threads())
     doc = load(out)
     doc["rows"][setting.label] = figures
