@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from kvlab.cache.pool import KVPool
+from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
@@ -180,14 +180,14 @@ def test_seventeen_rows_in_an_int8_pool(activations):
 # steps write the same codes; with more, a last-bit difference in one layer's attention can
 # move a later layer's K/V code across a rounding boundary, and the logits compared would
 # measure that step of the int8 grid instead of the arithmetic. Blocks of 5 tokens (chunks
-# cut blocks) and of 16 (the engine's default, whole blocks in a chunk).
+# cut blocks) and of the engine's default size (whole blocks in a chunk).
 INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), group) for shape, group in [
     ({"dim": 128, "n_heads": 2, "n_kv_heads": 2, "name": "d64-pack1"}, None),
     ({"dim": 256, "n_heads": 2, "n_kv_heads": 1, "name": "d128-pack2"}, 128),
     ({"dim": 512, "n_heads": 8, "n_kv_heads": 1, "name": "d64-group8"}, None)]]
 
 
-@pytest.mark.parametrize("block_size", [BLOCK, 16])
+@pytest.mark.parametrize("block_size", [BLOCK, DEFAULT_BLOCK_SIZE])
 @pytest.mark.parametrize("config,group_size", INTEGER_SHAPES, ids=[c.name for c, _ in INTEGER_SHAPES])
 def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size, block_size):
     if "avx512_vnni" not in isas_here():

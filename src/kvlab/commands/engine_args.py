@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvlab.commands.args import byte_size, non_negative_int, positive_float, positive_int
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
+from kvlab.commands.args import byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
 
 PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")

@@ -28,16 +28,16 @@ from kvlab.nn.paged_decode import paged_step_for, why_not_paged
 
 TokenCallback = Callable[[torch.Tensor], None]
 CONTIGUOUS_C_FORMATS = ("auto", "fp32", "fp16", "bf16")  # what kvlab.nn.fused_decode reads in place
-POOL_BLOCK = DEFAULT_BLOCK_SIZE  # tokens per block of the pools made here, as the engine's
 
 
 def cache_for_generation(model: Decoder, batch: int, capacity: int, kv_cache_dtype: str = "auto"):
     """The cache `generate` decodes fastest on: for formats the contiguous C step does not read
     (fp8, int8), a KVPool of `batch` x `capacity` tokens where the paged C step runs this model
-    on it (its blocks round the capacity up to POOL_BLOCK tokens); otherwise model.new_cache."""
+    on it (its blocks, the engine's DEFAULT_BLOCK_SIZE, round the capacity up); otherwise model.new_cache."""
     if kv_cache_dtype not in CONTIGUOUS_C_FORMATS:
         try:
-            pool = KVPool.for_model(model.config, batch * -(-capacity // POOL_BLOCK), POOL_BLOCK, kv_cache_dtype)
+            pool = KVPool.for_model(model.config, batch * -(-capacity // DEFAULT_BLOCK_SIZE), DEFAULT_BLOCK_SIZE,
+                                    kv_cache_dtype)
         except (CacheError, KvlabError):  # not a format the pool pages: the contiguous caches say why, if at all
             pool = None
         if pool is not None and why_not_paged(model, pool) is None:
