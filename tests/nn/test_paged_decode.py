@@ -174,9 +174,10 @@ def test_seventeen_rows_in_an_int8_pool(activations):
     check_steps(ggml_model(LONG.with_kv_heads(1), activations=activations), POSITIONS[17], "int8", steps=1)
 
 
-# Heads of 64 and 128 channels with one int8 group per row, which AVX-512 VNNI attends on
-# integer dot products (csrc/attend_int8.h) and AVX2 on fp32 ones: query packs of 1, 2 and 4,
-# a head of two 64-byte segments, 17 rows whose chunks end at many lengths. One layer, so both
+# Heads of 64 and 128 channels, which AVX-512 attends in units of their own (int8 with one
+# group per row on integer dot products, csrc/attend_int8.h; fp8 on table-converted fp32
+# lanes, csrc/attend_fp8.h) and AVX2 in its fp32 loop: query packs of 1, 2, 3 (SmolLM2's) and
+# 4, a head of two 64-byte segments, 17 rows whose chunks end at many lengths. One layer, so both
 # steps write the same codes; with more, a last-bit difference in one layer's attention can
 # move a later layer's K/V code across a rounding boundary, and the logits compared would
 # measure that step of the int8 grid instead of the arithmetic. Blocks of 5 tokens (chunks
@@ -184,7 +185,24 @@ def test_seventeen_rows_in_an_int8_pool(activations):
 INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), group) for shape, group in [
     ({"dim": 128, "n_heads": 2, "n_kv_heads": 2, "name": "d64-pack1"}, None),
     ({"dim": 256, "n_heads": 2, "n_kv_heads": 1, "name": "d128-pack2"}, 128),
+    ({"dim": 192, "n_heads": 3, "n_kv_heads": 1, "name": "d64-pack3"}, None),
     ({"dim": 512, "n_heads": 8, "n_kv_heads": 1, "name": "d64-group8"}, None)]]
+
+
+def avx512_against_avx2(config: ModelConfig, kv_cache_dtype: str, group_size, block_size: int) -> None:
+    """The same 17-row step with the AVX2 attention loop and with the AVX-512 unit: the same
+    pool written, logits equal up to summation order, and not bit-equal (the unit ran)."""
+    model = ggml_model(config)
+    pool, tables, ids = filled_pool(model, POSITIONS[17], kv_cache_dtype, group_size, block_size)
+    other = copy.deepcopy(pool)
+    batch = StepBatch.build(POSITIONS[17], [1] * 17, tables, block_size)
+    with using_kernel_isa("avx2"):
+        loop = PagedDecodeStep(model, pool, max_rows=17)(ids, batch)
+    with using_kernel_isa("avx512_vnni"):
+        unit = PagedDecodeStep(model, other, max_rows=17)(ids, batch)
+    assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), other.tensors()))
+    assert not torch.equal(unit, loop)  # the AVX-512 unit ran
+    assert_close_to_scale(unit, loop)
 
 
 @pytest.mark.parametrize("block_size", [BLOCK, DEFAULT_BLOCK_SIZE])
@@ -192,17 +210,19 @@ INTEGER_SHAPES = [(ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}), gr
 def test_int8_attention_on_integer_products_matches_fp32_products(config, group_size, block_size):
     if "avx512_vnni" not in isas_here():
         pytest.skip("this CPU (or its OS) lacks AVX-512 VNNI")
-    model = ggml_model(config)
-    pool, tables, ids = filled_pool(model, POSITIONS[17], "int8", group_size, block_size)
-    other = copy.deepcopy(pool)
-    batch = StepBatch.build(POSITIONS[17], [1] * 17, tables, block_size)
-    with using_kernel_isa("avx2"):
-        fp32_products = PagedDecodeStep(model, pool, max_rows=17)(ids, batch)
-    with using_kernel_isa("avx512_vnni"):
-        integer_products = PagedDecodeStep(model, other, max_rows=17)(ids, batch)
-    assert all(torch.equal(a, b) for a, b in zip(pool.tensors(), other.tensors()))
-    assert not torch.equal(integer_products, fp32_products)  # the integer path ran
-    assert_close_to_scale(integer_products, fp32_products)
+    avx512_against_avx2(config, "int8", group_size, block_size)
+
+
+@pytest.mark.parametrize("block_size", [BLOCK, DEFAULT_BLOCK_SIZE])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("config", [c for c, _ in INTEGER_SHAPES], ids=[c.name for c, _ in INTEGER_SHAPES])
+def test_fp8_attention_on_table_converted_lanes_matches_the_avx2_loop(kernels_lib, config, kv_cache_dtype,
+                                                                     block_size):
+    """attend_fp8_vbmi.c converts codes through byte tables: a wrong entry, sign or lane order
+    moves the logits by their whole scale, not by summation order."""
+    if "avx512_vnni" not in isas_here() or not kernels_lib.fp8_vbmi_usable():
+        pytest.skip("this CPU (or its OS) lacks AVX-512 VNNI or VBMI")
+    avx512_against_avx2(config, kv_cache_dtype, None, block_size)
 
 
 def test_the_module_path_reads_what_the_c_step_wrote():

@@ -69,9 +69,10 @@ QK = 32
 PROMPT_ROWS = 32  # where prompts_on_float_gemm(), from this many rows on a product dequantises for PyTorch's GEMM
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_vnni.c", CSRC / "llama_decode.c",
-           CSRC / "attend_int8_vnni.c", CSRC / "abi.c")  # built into one library
+           CSRC / "attend_int8_vnni.c", CSRC / "attend_fp8_vbmi.c", CSRC / "abi.c")  # built into one library
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h", CSRC / "x8_layout.h",
-           CSRC / "x8_kernel.h", CSRC / "x16_kernel.h", CSRC / "attend_int8.h")
+           CSRC / "x8_kernel.h", CSRC / "x16_kernel.h", CSRC / "attend_int8.h",
+           CSRC / "attend_fp8.h", CSRC / "attend_avx512.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 
@@ -176,6 +177,7 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.quantize_act.argtypes, lib.quantize_act.restype = [ptr, ctypes.c_size_t, ptr], None
     lib.kvlab_x8_isa.argtypes, lib.kvlab_x8_isa.restype = [], i32
     lib.kvlab_x8_set_isa.argtypes, lib.kvlab_x8_set_isa.restype = [i32], i32
+    lib.fp8_vbmi_usable.argtypes, lib.fp8_vbmi_usable.restype = [], i32
     from kvlab.nn.c_abi import abi_mismatches, abi_table
 
     problems = abi_mismatches(abi_table(lib))

@@ -17,12 +17,14 @@
  * `capacity` tokens per row (llama_decode_step). Stores and loads of each cache format are
  * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
  * half of fp16's bytes; with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
- * dot products instead (chunk_rows.integer).
+ * dot products instead (chunk_rows.integer), and fp8 heads that attend_fp8.h takes on sixteen
+ * fp32 lanes converted through byte tables (chunk_rows.tables).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend_fp8.h"
 #include "attend_int8.h"
 #include "kv_codecs.h"
 #include "x8_layout.h"
@@ -132,6 +134,7 @@ typedef struct {
     float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
     int len, d, gsize, groups;
     int integer; /* int8 on integer dot products (attend_int8.h) */
+    int tables;  /* fp8 converted through byte tables on AVX-512 (attend_fp8.h) */
 } chunk_rows;
 
 static inline float half_at(const uint16_t *h, size_t i) { return f16_to_f32(h[i]); }
@@ -230,6 +233,11 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
         int8_attend_vnni(&rows, q, GH, k_factor, v_factor, part_max, part_sum, out);
         return;
     }
+    if ((dtype == CACHE_FP8_E4M3 || dtype == CACHE_FP8_E5M2) && c->tables) { /* in attend_fp8_vbmi.c */
+        const fp8_chunk rows = {l->k.data, l->v.data, c->slots, c->len, d, dtype == CACHE_FP8_E4M3};
+        fp8_attend_vbmi(&rows, q, GH, k_factor, v_factor, part_max, part_sum, out);
+        return;
+    }
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = dtype == CACHE_INT8 ? part : scores;
@@ -323,6 +331,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     c.groups = (d + c.gsize - 1) / c.gsize;
     c.integer = dtype == CACHE_INT8 && c.groups == 1 && d % 64 == 0 && d <= INT8_DOT_MAX_HEAD_DIM &&
                 kvlab_x8_isa() == X8_ISA_AVX512_VNNI;
+    c.tables = (dtype == CACHE_FP8_E4M3 || dtype == CACHE_FP8_E5M2) && d % 64 == 0 && d <= FP8_DOT_MAX_HEAD_DIM &&
+             kvlab_x8_isa() == X8_ISA_AVX512_VNNI && fp8_vbmi_usable();
     for (int t = start, at = 0; t < end;) { /* block by block: a division per token cost 6% of attention */
         const size_t base = ((size_t)table[t / bs] * hkv + kvh) * bs;
         const int offset = t % bs, run = bs - offset < end - t ? bs - offset : end - t;
