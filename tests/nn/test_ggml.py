@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabEnvironmentError
-from kvlab.nn.ggml import GROUP, KERNEL_ISAS, GGMLLinear, PackedPlanes, Planes, kernel_isa, kernels, \
-    quantize_activations, stack_planes, using_kernel_isa
+from kvlab.nn.ggml import GROUP, KERNEL_ISAS, GGMLLinear, PackedPlanes, Planes, fp8_attention_isa, kernel_isa, \
+    kernels, quantize_activations, stack_planes, using_kernel_isa
 
 from needs import require_kernels
 
@@ -126,6 +126,10 @@ def test_the_instruction_set_is_reported_and_pinned():
     assert kernel_isa() in KERNEL_ISAS
     with using_kernel_isa("avx2"):  # every machine the kernels load on has AVX2
         assert kernel_isa() == "avx2"
+        assert fp8_attention_isa() == "avx2"  # fp8's AVX-512 unit follows the pin
+    if "avx512_vnni" in isas_here():
+        with using_kernel_isa("avx512_vnni"):
+            assert fp8_attention_isa() == ("avx512_vbmi" if kernels().fp8_vbmi_usable() else "avx2")
     with pytest.raises(ValueError):
         with using_kernel_isa("sse2"):
             pass

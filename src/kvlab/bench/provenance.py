@@ -65,6 +65,7 @@ def provenance(threads: Optional[int] = None) -> dict:
     if ggml is not None:
         try:
             info["machine"]["kernel_isa"] = ggml.kernel_isa()  # AVX2 or AVX-512 VNNI products
+            info["machine"]["fp8_attention_isa"] = ggml.fp8_attention_isa()  # AVX2 loop or its AVX-512 unit
         except Exception:  # noqa: BLE001 - a build error is the benchmark's to report, not the provenance's
             pass
     try:

@@ -33,7 +33,8 @@ Where the CPU has AVX-512 VNNI the same layout is multiplied with vpdpwssd / vpd
 `kernel_isa`, `KVLAB_KERNEL_ISA=avx2` to pin the AVX2 path); the integer sums are the same, so
 the products are bit for bit the AVX2 kernels'. The decode step's int8 attention also follows
 this choice (csrc/attend_int8.h), and is not bit-identical: it rounds the query and the
-softmax weights to 15 bits. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
+softmax weights to 15 bits. So does fp8 attention where the CPU also has VBMI (csrc/attend_fp8.h,
+`fp8_attention_isa`), whose fp32 products differ from the AVX2 loop's only in summation order. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
 products of 16 rows ran at 143 billion multiply-adds per second on int16 activations against
 90 for the AVX2 kernels there, and 178 against 128 on int8 (one run, taking turns).
 
@@ -202,6 +203,15 @@ def kernel_isa() -> Optional[str]:
     """The instruction set the products run on ("avx2", "avx512_vnni"), or None without kernels."""
     lib = kernels()
     return None if lib is None else KERNEL_ISAS[lib.kvlab_x8_isa()]
+
+
+def fp8_attention_isa() -> Optional[str]:
+    """Where the decode step's fp8 attention runs: "avx512_vbmi" (its own unit, with the AVX-512
+    products and a CPU with VBMI) or "avx2" (the loop every format shares); None without kernels."""
+    lib = kernels()
+    if lib is None:
+        return None
+    return "avx512_vbmi" if KERNEL_ISAS[lib.kvlab_x8_isa()] == "avx512_vnni" and lib.fp8_vbmi_usable() else "avx2"
 
 
 @contextmanager
