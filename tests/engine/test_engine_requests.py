@@ -53,6 +53,12 @@ def test_prefix_cache_serves_a_shared_prompt_and_keeps_outputs(stories_model, st
     assert got[second.request_id] == reference(model, tok, system + "The sun", 12)
     assert shared > common
     assert_pool_free(engine)
+    assert engine.reset_prefix_cache() > 0  # the shared blocks, and the two requests' own
+    third = engine.add_request(system + "The sun", greedy(12))
+    assert run_all(engine)[third.request_id] == got[second.request_id]
+    assert third.num_cached_prompt == 0 and engine.reset_prefix_cache() > 0
+    assert engine.reset_prefix_cache() == 0
+    assert_pool_free(engine)
 
 
 def test_stop_strings_stop_tokens_and_length(stories_model, stories_tokenizer):

@@ -103,6 +103,22 @@ def test_vllm_bench_serves_completion_body_is_accepted(server):
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 5
 
 
+def test_reset_prefix_cache_makes_the_next_identical_prompt_a_miss(server, client):
+    """Benchmarks (vLLM's and kvlab's) reset between runs, so a run is not served from the last one's prefixes."""
+    prompt = "Once upon a time there was a little dog who liked to run in the big green park every day"
+
+    def hits_of_one() -> float:
+        before = server.wait_idle()["prefix_cache_hits_total"]
+        client.completions.create(model="test-model", prompt=prompt, max_tokens=2, temperature=0)
+        return server.wait_idle()["prefix_cache_hits_total"] - before
+
+    hits_of_one()
+    assert hits_of_one() > 0  # served from the first request's blocks
+    reply = httpx.post(server.base + "/reset_prefix_cache", timeout=10)
+    assert reply.status_code == 200 and reply.json()["reset_blocks"] > 0
+    assert hits_of_one() == 0
+
+
 def test_chat_without_a_template_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])

@@ -156,6 +156,20 @@ class BlockManager:
                 self.by_hash.setdefault(h, block.block_id)
             chain.append(h)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no running sequence holds (vLLM's reset_prefix_cache), so
+        that a benchmark's next run starts cold; returns how many blocks were forgotten. Blocks in
+        use keep their names and are cached again when freed."""
+        forgotten = 0
+        for block_id in self.free_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.by_hash.get(block.hash) == block_id:
+                    del self.by_hash[block.hash]
+                block.hash, block.token_ids = None, ()
+                forgotten += 1
+        return forgotten
+
     # -- release -----------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:

@@ -204,6 +204,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefixes no request holds (the blocks stay free); how many blocks that was."""
+        return self.blocks.reset_prefix_cache()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

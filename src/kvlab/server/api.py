@@ -85,6 +85,11 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
     async def metrics_page() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """vLLM's endpoint of that name: benchmarks call it so that a run is not served from the last one's prefixes."""
+        return {"reset_blocks": async_engine.reset_prefix_cache()}
+
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),

@@ -62,6 +62,11 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.streams.pop(request_id, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Between steps, as every change to the engine: see LLMEngine.reset_prefix_cache."""
+        with self.lock:
+            return self.engine.reset_prefix_cache()
+
     def abort_all(self) -> None:
         with self.lock:
             self.stopping = True
