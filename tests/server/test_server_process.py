@@ -18,7 +18,7 @@ def stories_present():
     require_file(STORIES, "../shared/models/stories260K.gguf")
 
 
-def test_api_key_is_required_on_v1_routes():
+def test_api_key_is_required_on_v1_routes_and_the_cache_reset():
     served = Served(str(STORIES), "--kv-cache-memory", "200000", "--api-key", "sekret")
     try:
         body = {"model": "test-model", "prompt": "Once", "max_tokens": 2}
@@ -28,6 +28,9 @@ def test_api_key_is_required_on_v1_routes():
         ok = httpx.post(served.base + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert httpx.get(served.base + "/health").status_code == 200  # health needs no key
+        assert httpx.post(served.base + "/reset_prefix_cache").status_code == 401  # it changes the server's state
+        reset = httpx.post(served.base + "/reset_prefix_cache", headers={"Authorization": "Bearer sekret"})
+        assert reset.status_code == 200 and set(reset.json()) == {"reset_blocks"}
     finally:
         assert served.stop() == 0
 

@@ -33,10 +33,11 @@ Where the CPU has AVX-512 VNNI the same layout is multiplied with vpdpwssd / vpd
 `kernel_isa`, `KVLAB_KERNEL_ISA=avx2` to pin the AVX2 path); the integer sums are the same, so
 the products are bit for bit the AVX2 kernels'. The decode step's int8 attention also follows
 this choice (csrc/attend_int8.h), and is not bit-identical: it rounds the query and the
-softmax weights to 15 bits. So does fp8 attention where the CPU also has VBMI (csrc/attend_fp8.h,
-`fp8_attention_isa`), whose fp32 products differ from the AVX2 loop's only in summation order. On a 2-core Xeon with VNNI, SmolLM2's Q4_1
-products of 16 rows ran at 143 billion multiply-adds per second on int16 activations against
-90 for the AVX2 kernels there, and 178 against 128 on int8 (one run, taking turns).
+softmax weights to 15 bits. fp8 attention follows it too where the CPU also has VBMI
+(csrc/attend_fp8.h, `fp8_attention_isa`); its fp32 products differ from the AVX2 loop's only in
+summation order. On a 2-core Xeon with VNNI, SmolLM2's Q4_1 products of 16 rows ran at 143
+billion multiply-adds per second on int16 activations against 90 for the AVX2 kernels there,
+and 178 against 128 on int8 (one run, taking turns).
 
 The C files are compiled once with the system's C compiler into ~/.cache/kvlab/kernels and
 loaded with ctypes (no torch headers; about ten seconds, once per source version, most of it

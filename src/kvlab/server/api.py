@@ -63,7 +63,7 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/") and \
+        if api_key and (request.url.path.startswith("/v1/") or request.url.path == "/reset_prefix_cache") and \
                 request.headers.get("authorization", "") != f"Bearer {api_key}":
             return error("invalid or missing API key (Authorization: Bearer KEY)", "AuthenticationError", 401)
         return await call_next(request)
@@ -87,7 +87,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
-        """vLLM's endpoint of that name: benchmarks call it so that a run is not served from the last one's prefixes."""
+        """vLLM's endpoint of that name: a benchmark calls it so that a run is not served from the
+        last run's prefixes. Behind --api-key, like /v1/, since it changes what the server holds."""
         return {"reset_blocks": async_engine.reset_prefix_cache()}
 
     @app.get("/v1/models")
