@@ -21,6 +21,7 @@
 
 #include "attend_avx512.h"
 #include "attend_fp8.h"
+#include "cpu_features.h"
 #include "llama_decode.h"
 
 static const uint8_t zero_row[FP8_DOT_MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -32,19 +33,9 @@ static uint8_t tables[2][2][128] __attribute__((aligned(64)));
 
 static int usable; /* fp8_vbmi_usable(), found once */
 
-static int cpu_has_vbmi(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vbmi"))
-        return 0;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & 0xE6) == 0xE6; /* the OS saves the opmask and ZMM state */
-}
-
 /* At load, before any thread can ask: whether the path may run, and its tables. */
 __attribute__((constructor)) static void build_tables(void) {
-    usable = cpu_has_vbmi();
+    usable = avx512_usable() && __builtin_cpu_supports("avx512vbmi");
     for (int e4m3 = 0; e4m3 < 2; e4m3++)
         for (int code = 0; code < 128; code++) {
             const float value = _cvtsh_ss((uint16_t)(e4m3 ? code << 7 : code << 8));

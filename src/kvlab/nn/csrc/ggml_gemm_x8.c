@@ -46,6 +46,7 @@
  */
 #include <string.h>
 
+#include "cpu_features.h"
 #include "ggml_gemv.h"
 #include "x8_layout.h"
 
@@ -111,17 +112,8 @@ void qmatrix_interleave(int kind, const void *codes, const float *d, const float
 
 void x8_gemm_vnni(const qmatrix *w, int rows, const qacts *a, float *y, int ldy, int accumulate); /* _vnni.c */
 
-/* Whether the CPU has AVX-512 F, BW, VL and VNNI and the OS saves the registers they use
- * (XCR0: SSE, AVX, opmask and both halves of the upper ZMM state). */
-static int vnni_usable(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni"))
-        return 0;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & 0xE6) == 0xE6;
-}
+/* Whether the CPU has AVX-512 (cpu_features.h) with VNNI. */
+static int vnni_usable(void) { return avx512_usable() && __builtin_cpu_supports("avx512vnni"); }
 
 static int x8_isa = -1; /* X8_ISA_*, chosen on first use: the best this machine has */
 
