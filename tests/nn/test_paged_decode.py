@@ -281,13 +281,14 @@ def test_paged_step_for_builds_the_step_where_it_applies():
 @pytest.mark.parametrize("name", sorted(FP8_DTYPES))
 def test_fp8_stores_round_as_torch_does(kernels_lib, name):
     """Every midpoint between neighbouring fp8 values (where rounding to even decides), the
-    values beside them, saturation, subnormals, zeros and random values: byte for byte."""
+    values beside them, saturation, infinities, NaN, subnormals, zeros and random values: byte
+    for byte, through kv_codecs.h's eight-wide encoder (and the scalar one for the tail)."""
     dtype = FP8_DTYPES[name]
     grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     grid = grid[torch.isfinite(grid)].unique()
     mids = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([grid, mids, torch.nextafter(mids, torch.tensor(float("inf"))),
-                   torch.nextafter(mids, torch.tensor(-float("inf"))), torch.tensor([0.0, -0.0, 1e9, -1e9, 1e-30]),
+                   torch.nextafter(mids, torch.tensor(-float("inf"))), torch.tensor([0.0, -0.0, 1e9, -1e9, 1e-30, float("inf"), -float("inf"), float("nan")]),
                    torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 30])
     ours = torch.empty(x.numel(), dtype=torch.uint8)
     kernels_lib.kvlab_fp8_encode(int(dtype == torch.float8_e4m3fn), x.data_ptr(), ours.data_ptr(), x.numel())
