@@ -13,18 +13,13 @@
  * those four channels of token 4L + j, and one broadcast of the query's four channels serves
  * all four vectors. The four partial sums per token are added at the end.
  */
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi")
-
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
 
-#include "attend_avx512.h"
 #include "attend_fp8.h"
 #include "cpu_features.h"
 #include "llama_decode.h"
-
-static const uint8_t zero_row[FP8_DOT_MAX_HEAD_DIM] __attribute__((aligned(64)));
 
 /* [format][low byte, high byte][code & 0x7F]: the bf16 of each code, scaled as load8 scales it
  * (e4m3 placed in an fp16's bits is its value times 2^-8; e5m2 is an fp16's top byte), so the
@@ -33,7 +28,8 @@ static uint8_t tables[2][2][128] __attribute__((aligned(64)));
 
 static int usable; /* fp8_vbmi_usable(), found once */
 
-/* At load, before any thread can ask: whether the path may run, and its tables. */
+/* At load, before any thread can ask: whether the path may run, and its tables. Compiled
+ * before the AVX-512 target below, since it runs on every machine the library loads on. */
 __attribute__((constructor)) static void build_tables(void) {
     usable = avx512_usable() && __builtin_cpu_supports("avx512vbmi");
     for (int e4m3 = 0; e4m3 < 2; e4m3++)
@@ -46,6 +42,13 @@ __attribute__((constructor)) static void build_tables(void) {
 }
 
 int fp8_vbmi_usable(void) { return usable; }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi")
+
+#include "attend_avx512.h"
+
+static const uint8_t zero_row[FP8_DOT_MAX_HEAD_DIM] __attribute__((aligned(64)));
 
 /* One format's four table vectors, and the sign bit. */
 typedef struct {
@@ -188,3 +191,5 @@ void fp8_attend_vbmi(const fp8_chunk *c, const float *q, int heads, float k_fact
     default: attend(c, q, k_factor, v_factor, top, total, out, 4);
     }
 }
+
+#pragma GCC pop_options
