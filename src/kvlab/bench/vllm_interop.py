@@ -147,15 +147,17 @@ def interop(model: str = "smollm2-135m", vllm_python: Optional[str] = None, num_
                                                          ("prefix_repetition", "/v1/completions"),
                                                          ("random", "/v1/chat/completions"))):
                 theirs_flags, ours_flags = dataset_flags(dataset, input_len, output_len, prefix_len)
+                clients = {
+                    "vllm": lambda: run_vllm_bench(python, server.base_url, "kvlab-bench", hf_dir, theirs_flags,
+                                                   num_prompts, concurrency, seed, workdir, endpoint),
+                    "kvlab": lambda: run_kvlab_bench(server.base_url, "kvlab-bench", gguf, ours_flags, num_prompts,
+                                                     concurrency, seed, workdir, endpoint)}
+                order = ("vllm", "kvlab") if index % 2 == 0 else ("kvlab", "vllm")
                 runs = {}
-                for client in ("vllm", "kvlab") if index % 2 == 0 else ("kvlab", "vllm"):
+                for client in order:
                     reset_prefix_cache(server.base_url)
-                    runs[client] = (run_vllm_bench(python, server.base_url, "kvlab-bench", hf_dir, theirs_flags,
-                                                   num_prompts, concurrency, seed, workdir, endpoint)
-                                    if client == "vllm" else
-                                    run_kvlab_bench(server.base_url, "kvlab-bench", gguf, ours_flags, num_prompts,
-                                                    concurrency, seed, workdir, endpoint))
-                pairs.append({"endpoint": endpoint, "first": next(iter(runs)),
+                    runs[client] = clients[client]()
+                pairs.append({"endpoint": endpoint, "first": order[0],
                               **_pair(dataset, runs["vllm"], runs["kvlab"], num_prompts * output_len)})
             from kvlab.bench.serve_data import load_tokenizer, random_requests
             prompts = [r.prompt for r in random_requests(num_prompts, input_len, output_len, 0.0, 0, seed,

@@ -127,11 +127,7 @@ class BlockManager:
                              f"{self.num_free} are free")
         for _ in range(need):
             block_id = next(iter(self.free_ids))
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict the least recently freed cached block
-                if self.by_hash.get(block.hash) == block_id:
-                    del self.by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
+            self._forget(self.blocks[block_id])  # evict the least recently freed cached block
             self._take(block_id)
             seq.block_table.append(block_id)
 
@@ -160,15 +156,16 @@ class BlockManager:
         """Forget every cached prefix that no running sequence holds (vLLM's reset_prefix_cache), so
         that a benchmark's next run starts cold; returns how many blocks were forgotten. Blocks in
         use keep their names and are cached again when freed."""
-        forgotten = 0
-        for block_id in self.free_ids:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.by_hash.get(block.hash) == block_id:
-                    del self.by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
-                forgotten += 1
-        return forgotten
+        return sum(self._forget(self.blocks[block_id]) for block_id in self.free_ids)
+
+    def _forget(self, block: Block) -> bool:
+        """Drop a free block's prefix name, if it has one; whether it had."""
+        if block.hash is None:
+            return False
+        if self.by_hash.get(block.hash) == block.block_id:
+            del self.by_hash[block.hash]
+        block.hash, block.token_ids = None, ()
+        return True
 
     # -- release -----------------------------------------------------------------------------------
 

@@ -187,10 +187,5 @@ static inline __attribute__((always_inline)) void attend(const int8_chunk *c, co
 
 void int8_attend_vnni(const int8_chunk *c, const float *q, int heads, float k_factor, float v_factor, float *top,
                       float *total, float *out) {
-    switch (heads) { /* the head count fixed at compile time, so the accumulators stay in registers */
-    case 1: attend(c, q, k_factor, v_factor, top, total, out, 1); break;
-    case 2: attend(c, q, k_factor, v_factor, top, total, out, 2); break;
-    case 3: attend(c, q, k_factor, v_factor, top, total, out, 3); break;
-    default: attend(c, q, k_factor, v_factor, top, total, out, 4);
-    }
+    FOR_HEAD_PACK(heads, attend, c, q, k_factor, v_factor, top, total, out)
 }

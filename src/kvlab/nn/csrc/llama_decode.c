@@ -359,12 +359,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         float *scores = s->scores + at * CHUNK, *out = s->part_out + at * d;
         const float *qh = q + (size_t)h * d;
         float *top = s->part_max + at, *sum = s->part_sum + at;
-        switch (pack) {
-        case 1: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 1); break;
-        case 2: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 2); break;
-        case 3: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 3); break;
-        default: attend_heads(l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out, 4);
-        }
+        FOR_HEAD_PACK(pack, attend_heads, l, dtype, &c, qh, scores, k_factor, v_factor, top, sum, out)
         h += pack;
     }
 }

@@ -21,10 +21,20 @@ enum {
 };
 
 #define CHUNK 128    /* tokens per attention work unit */
+
+/* F(args..., H) for a pack of `heads` (1..4) query heads, H fixed at compile time in each case
+ * so that the attention loops' per-head accumulators stay in registers. */
+#define FOR_HEAD_PACK(heads, F, ...)      \
+    switch (heads) {                      \
+    case 1: F(__VA_ARGS__, 1); break;     \
+    case 2: F(__VA_ARGS__, 2); break;     \
+    case 3: F(__VA_ARGS__, 3); break;     \
+    default: F(__VA_ARGS__, 4);           \
+    }
 #define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
 
 /* p = e^r for |r| <= ln2 / 2, the polynomial that exp8 (AVX2, llama_decode.c) and exp16
- * (AVX-512, attend_int8_vnni.c) evaluate with their width's FMADD, MUL, ADD and SET1. */
+ * (AVX-512, attend_avx512.h) evaluate with their width's FMADD, MUL, ADD and SET1. */
 #define EXP_REDUCED(p, r, FMADD, MUL, ADD, SET1)                                  \
     do {                                                                          \
         p = SET1(1.9875691500e-4f);                                               \
