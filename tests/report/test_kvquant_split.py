@@ -36,3 +36,33 @@ def test_one_half_exact_the_other_as_the_format_rounds_it():
     assert 0 < pool["kept_exact"] <= pool["outside_range"]
     with pytest.raises(ValueError):
         with_exact(_cache(), "both")
+
+
+def test_oracle_calibration_fits_the_evaluated_tokens_and_split_rows_labels_each_run(capsys) -> None:
+    from needs import SHAKESPEARE, STORIES, require_file
+
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.report.kvquant_split import oracle_calibration, split_rows
+
+    require_file(STORIES, "stories260K")
+    require_file(SHAKESPEARE, "tinyshakespeare")
+    loaded = load_model(str(STORIES), torch.float32, "dense")
+    model = loaded.model.eval()
+    ids = loaded.tokenizer.encode(SHAKESPEARE.read_text()[:4000], add_bos=False)
+    windows = [ids[:200], ids[200:400]]
+    with pytest.raises(ValueError):
+        oracle_calibration(model, [ids[:200], ids[:100]], {})
+    oracle = oracle_calibration(model, windows, {"model": "stories260K"})
+    assert oracle.meta["data"] == "the evaluated windows (oracle)" and oracle.meta["context"] == 200
+    rows, pool = split_rows(model, windows, oracle, "kvquant3", 10.0, ", oracle")
+    assert list(rows) == ["kvquant3, oracle", "kvquant3, oracle, exact keys", "kvquant3, oracle, exact values"]
+    # the ranges are the evaluated keys' own 0.5-99.5 percentiles: about 1% of those keys fall outside
+    assert 0.003 < pool["outside_range"] / pool["key_values"] < 0.02
+    # it is the calibration of exactly those tokens, window by window, and of no others
+    from kvlab.evals.calibrate import calibrate
+    same, shifted = calibrate(model, ids[:400], context=200, windows=2), calibrate(model, ids[1:401], context=200,
+                                                                                   windows=2)
+    fitted = lambda cal: [t for layer in cal.layers for t in (layer.k_zero, layer.k_range, *layer.k_codebooks.values(),
+                                                              *layer.v_codebooks.values())]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(fitted(oracle), fitted(same)))
+    assert not all(torch.equal(a, b) for a, b in zip(fitted(oracle), fitted(shifted)))

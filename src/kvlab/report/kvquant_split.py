@@ -1,10 +1,18 @@
-"""Which half of a KVQuant cache's perplexity cost is its keys' and which its values'.
+"""Which half of a KVQuant cache's perplexity cost is its keys' and which its values', and what
+any calibration of the format could reach at best.
 
 The real-models table gives KVQuant-3 one figure. To know where to spend bits, this study runs
 the table's perplexity task (same text, windows, chunking and calibration) four times: the fp16
 cache, the KVQuant cache, and the KVQuant cache with its keys or its values read back exactly
 (`with_exact`: the cache still stores and rounds both halves; one of them is then replaced on
-read by the values it was given). Writes reports/real-models/kvquant_split.json:
+read by the values it was given).
+
+Then it asks whether a better calibration could close the gap: it calibrates on the evaluated
+windows themselves (the codebooks, key ranges and Fisher weights of exactly the tokens scored,
+`oracle_calibration`) and runs the same three KVQuant rows with that. No calibration text can
+fit the evaluated text better than the text itself, so those rows bound from below what the
+format (its bits, its 1% of outliers, its per-layer codebooks) costs on this model.
+Writes reports/real-models/kvquant_split.json:
 
     flock /tmp/kvlab-heavy.lock python -m kvlab.report.kvquant_split
 """
@@ -57,6 +65,43 @@ def key_outliers(caches: list) -> dict:
     return {"key_values": values, "outside_range": outside, "kept_exact": kept}
 
 
+def oracle_calibration(model, windows: list[list[int]], meta: dict):
+    """KVQuant's calibration fitted on the evaluated `windows` themselves (equal lengths): each window
+    is fed as the perplexity task feeds it, so ranges, codebooks and Fisher weights are those of the
+    very tokens scored."""
+    from kvlab.evals.calibrate import calibrate
+    context = len(windows[0])
+    if any(len(window) != context for window in windows):
+        raise ValueError("oracle_calibration needs windows of one length")
+    return calibrate(model, [i for window in windows for i in window], context=context, windows=len(windows),
+                     meta={**meta, "data": "the evaluated windows (oracle)"})
+
+
+def split_rows(model, windows: list[list[int]], calibration, dtype: str, fp16_perplexity: float,
+               label_suffix: str = "") -> tuple[dict, dict]:
+    """The KVQuant cache's perplexity whole and with each half exact, and its key-outlier counts."""
+    from kvlab.evals.perplexity import perplexity
+    from kvlab.evals.setting import KVSetting, new_cache
+    from kvlab.report.real_models_study import CHUNK
+
+    quant = KVSetting(dtype)
+    runs = {"": lambda n: new_cache(model, quant, n, calibration),
+            **{f", exact {half}": (lambda n, h=half: with_exact(new_cache(model, quant, n, calibration), h))
+               for half in EXACT}}
+    rows, made = {}, {}
+    for suffix, make in runs.items():
+        label = dtype + label_suffix + suffix
+        made[suffix] = []
+        keep = lambda n, make=make, into=made[suffix]: into.append(make(n)) or into[-1]  # noqa: E731
+        rows[label] = perplexity(model, windows, keep, CHUNK)
+        change = rows[label]["perplexity"] / fp16_perplexity - 1
+        print(f"{label:>44}: perplexity {rows[label]['perplexity']:.3f} ({change:+.2%} vs fp16)", file=sys.stderr)
+    pool = key_outliers(made[", exact keys"])
+    print(f"key values outside their channel's range: {pool['outside_range'] / pool['key_values']:.2%}, kept exact: "
+          f"{pool['kept_exact'] / pool['key_values']:.2%} of all", file=sys.stderr)
+    return rows, pool
+
+
 def main(argv=None) -> int:
     from kvlab.bench.provenance import provenance
     from kvlab.cache.kvquant_calibration import load_calibration
@@ -78,25 +123,16 @@ def main(argv=None) -> int:
     tokenizer = loaded.tokenizer
     ids = tokenizer.encode(report.shared_file("data", "english", EVAL_TEXT).read_text(encoding="utf-8"), add_bos=False)
     windows = text_windows(ids[OFFSET:], CONTEXT, WINDOWS, tokenizer.bos_id if tokenizer.add_bos else None)
-    quant = KVSetting(args.kv_cache_dtype)
-    runs = {"fp16": lambda n: new_cache(model, KVSetting("fp16"), n),
-            args.kv_cache_dtype: lambda n: new_cache(model, quant, n, calibration),
-            **{f"{args.kv_cache_dtype}, exact {half}": (lambda n, h=half: with_exact(new_cache(model, quant, n,
-                                                                                                calibration), h))
-               for half in EXACT}}
-    rows, made = {}, {}
-    for label, make in runs.items():
-        made[label] = []
-        keep = lambda n, make=make, into=made[label]: into.append(make(n)) or into[-1]  # noqa: E731
-        rows[label] = perplexity(model, windows, keep, CHUNK)
-        change = rows[label]["perplexity"] / rows["fp16"]["perplexity"] - 1
-        print(f"{label:>28}: perplexity {rows[label]['perplexity']:.3f} ({change:+.2%} vs fp16)", file=sys.stderr)
-    pool = key_outliers(made[f"{args.kv_cache_dtype}, exact keys"])
-    print(f"key values outside their channel's range: {pool['outside_range'] / pool['key_values']:.2%}, kept exact: "
-          f"{pool['kept_exact'] / pool['key_values']:.2%} of all", file=sys.stderr)
+    rows = {"fp16": perplexity(model, windows, lambda n: new_cache(model, KVSetting("fp16"), n), CHUNK)}
+    fp16 = rows["fp16"]["perplexity"]
+    print(f"{'fp16':>44}: perplexity {fp16:.3f}", file=sys.stderr)
+    calibrated, pool = split_rows(model, windows, calibration, args.kv_cache_dtype, fp16)
+    oracle = oracle_calibration(model, windows, {"model": report.MODEL})
+    bound, oracle_pool = split_rows(model, windows, oracle, args.kv_cache_dtype, fp16,
+                                    ", calibrated on the evaluated text")
     doc = {"model": report.MODEL, "text": EVAL_TEXT, "context": CONTEXT, "windows": WINDOWS, "chunk": CHUNK,
-           "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": rows, "key_outliers": pool,
-           "provenance": provenance(args.threads)}
+           "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": {**rows, **calibrated, **bound},
+           "key_outliers": pool, "key_outliers_oracle": oracle_pool, "provenance": provenance(args.threads)}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
