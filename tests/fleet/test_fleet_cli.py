@@ -59,3 +59,17 @@ def test_mistakes_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--block-size", "16"], 16)])
+def test_calibrate_times_the_engine_at_kvlab_serves_block_size_unless_told(tmp_path, capsys, flag, expected):
+    """The calibration's engine is kvlab serve's (its default block); a planned replica keeps vLLM's 16."""
+    from needs import STORIES, require_file
+
+    from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
+    require_file(STORIES, "stories260K")
+    out = tmp_path / "cal.json"
+    assert main(["fleet", "calibrate", str(STORIES), "--kv-cache-memory", "4MiB", "--batches", "1,2", "--contexts",
+                 "16,32", "--chunks", "8,16", "--decode-steps", "2", "--output", str(out), *flag]) == 0
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["block_size"] == (expected or DEFAULT_BLOCK_SIZE) and DEFAULT_BLOCK_SIZE != 16

@@ -12,6 +12,7 @@ import os
 
 from kvlab.commands.args import byte_size, comma_list, non_negative_int, positive_float, positive_int
 from kvlab.commands.plan_args import add_model_arguments, add_speculative_arguments
+from kvlab.fleet.service import PLAN_BLOCK_SIZE
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.weights import WEIGHT_DTYPES
 
@@ -88,7 +89,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                              "as kvlab serve, or the calibration's)")
     engine.add_argument("--max-num-batched-tokens", type=positive_int,
                         help="tokens per step (vllm serve's default for the card: 8192 on 70+ GiB cards, else 2048)")
-    engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (16)")
+    engine.add_argument("--block-size", type=positive_int,
+                        help=f"tokens per KV block (default {PLAN_BLOCK_SIZE}, as vLLM on GPUs; calibrate: "
+                             "kvlab serve's default)")
     engine.add_argument("--max-model-len", type=positive_int, help="default: the longest request, within the model's")
     engine.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     engine.add_argument("--calibration", help="a `kvlab fleet calibrate` file: measured step costs and the engine's "
@@ -173,6 +176,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvlab.bench.provenance import provenance
+    from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
     from kvlab.fleet.calibrate import fit, measure
@@ -182,7 +186,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     dtype = "fp32"
     model, tokenizer = load_for_engine(args.calibrate_model, args.weights, dtype, args.threads)
     config = EngineConfig(kv_cache_dtype="auto" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
                           max_num_seqs=args.max_num_seqs or 64,
                           max_num_batched_tokens=args.max_num_batched_tokens or 2048,
                           max_model_len=args.max_model_len, enable_prefix_caching=False)

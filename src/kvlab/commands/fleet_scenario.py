@@ -8,7 +8,8 @@ import math
 from kvlab.commands.plan_args import device_from_args, draft_from_args, model_from_args
 from kvlab.fleet.errors import FleetError
 from kvlab.fleet.scenario import Scenario
-from kvlab.fleet.service import ReplicaSpec, calibrated_speculation, load_calibration, replica_from_plan
+from kvlab.fleet.service import PLAN_BLOCK_SIZE, ReplicaSpec, calibrated_speculation, load_calibration, \
+    replica_from_plan
 from kvlab.fleet.workload import LengthDist, Workload, draw
 from kvlab.plan.errors import PlanError
 from kvlab.plan.planner import PlanRequest
@@ -51,7 +52,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                               acceptance_rate=acceptance_rate, num_speculative_tokens=k)
         overhead = None if args.step_overhead_ms is None else args.step_overhead_ms / 1000
         def build(tp):
-            return replica_from_plan(spec, request, max_model_len=max_model_len, block_size=args.block_size,
+            return replica_from_plan(spec, request, max_model_len=max_model_len,
+                                     block_size=args.block_size or PLAN_BLOCK_SIZE,
                                      max_num_seqs=args.max_num_seqs or 256,
                                      max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel=tp,
                                      bandwidth_efficiency=args.bandwidth_efficiency,

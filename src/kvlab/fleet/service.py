@@ -24,6 +24,7 @@ from kvlab.plan.spec import ModelSpec
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
 TP_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+PLAN_BLOCK_SIZE = 16  # a replica planned for a card cuts its pool as vLLM does on GPUs (kvlab serve takes 64 on CPUs)
 
 
 @dataclass
@@ -83,7 +84,8 @@ def weights_fit_tp(spec: ModelSpec, request: PlanRequest, max_model_len: int, bl
     raise FleetError(f"{spec.name} does not fit on up to {TP_CHOICES[-1]} cards of this kind")
 
 
-def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: int, block_size: int = 16,
+def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: int,
+                      block_size: int = PLAN_BLOCK_SIZE,
                       max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                       tensor_parallel: Optional[int] = None, calibration: Optional[LinearCost] = None,
                       bandwidth_efficiency: Optional[float] = None, compute_efficiency: Optional[float] = None,
