@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from kvlab.bench.provenance import provenance
-from kvlab.checkpoints.resolve import load_checkpoint, resolve_model_path
+from kvlab.checkpoints.resolve import PACKINGS, load_checkpoint, resolve_model_path
 from kvlab.nn.generate import generate
 from kvlab.train.progress import progress_bar
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--kvlab-weights", choices=("gguf", "gguf-a8", "int4", "dense"), default="gguf")
+    parser.add_argument("--kvlab-weights", choices=PACKINGS, default="gguf")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
     args = parser.parse_args(argv)

@@ -99,6 +99,11 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
     raise PlanError(f"unknown model {name!r}: give a .gguf file, a model directory, or one of {', '.join(KNOWN_MODELS)}")
 
 
+# How a GGUF's quantised matrices are kept (`packing`): its blocks on int16 or int8 activations, dense
+# (dequantised once), or kvlab's own 4-bit planes.
+PACKINGS = ("gguf", "gguf-a8", "dense", "int4")
+
+
 def load_checkpoint(name: str, dtype: "Optional[torch.dtype]" = None, packing: str = "dense") -> LoadedModel:
     """Resolve `name` and load its weights and tokenizer; activations in `dtype` (default fp32).
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from kvlab.checkpoints.resolve import PACKINGS
 from kvlab.plan.errors import PlanError
 from kvlab.plan.units import parse_bytes
+
+WEIGHTS_CHOICES = ("auto", *PACKINGS)  # --weights: auto picks the GGUF's blocks where the kernels load
 
 
 def _int_at_least(text: str, least: int, kind: str) -> int:

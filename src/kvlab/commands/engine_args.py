@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
-from kvlab.commands.args import byte_size, non_negative_int, positive_float, positive_int
+from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
 
 PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
@@ -14,7 +14,7 @@ PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2"
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", default="auto", choices=("auto", "gguf", "gguf-a8", "dense", "int4"),
+    model.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
                        help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
     model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
     model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")

@@ -10,7 +10,8 @@ import argparse
 import json
 import os
 
-from kvlab.commands.args import byte_size, comma_list, non_negative_int, positive_float, positive_int
+from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, comma_list, non_negative_int, positive_float, \
+    positive_int
 from kvlab.commands.plan_args import add_model_arguments, add_speculative_arguments
 from kvlab.fleet.service import PLAN_BLOCK_SIZE
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
@@ -114,7 +115,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     calib = parser.add_argument_group("calibrate (kvlab fleet calibrate MODEL)")
     calib.add_argument("--output", help="calibration file to write (default fleet-calibration.json)")
     calib.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
-    calib.add_argument("--weights", default="auto", choices=("auto", "gguf", "gguf-a8", "dense", "int4"))
+    calib.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES)
     calib.add_argument("--batches", type=comma_list, default=["1", "4", "16", "32"], help="decode batch sizes")
     calib.add_argument("--contexts", type=comma_list, default=["64", "256"], help="decode contexts (tokens)")
     calib.add_argument("--chunks", type=comma_list, default=["16", "64", "128", "256", "512", "1024"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvlab.commands.args import positive_int
+from kvlab.commands.args import WEIGHTS_CHOICES, positive_int
 from kvlab.plan.errors import PlanError
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES
 
@@ -18,7 +18,7 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
-    parser.add_argument("--weights", default="auto", choices=("auto", "gguf", "gguf-a8", "dense", "int4"),
+    parser.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
                         help="gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 "
                              "activations; with an fp32/fp16/bf16 cache each decode step is one C call); "
                              "gguf-a8: the same with int8 activations on the 4-bit blocks, as llama.cpp (faster "
