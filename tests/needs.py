@@ -37,7 +37,7 @@ def require_file(path: Path, what: str) -> Path:
 def require_kernels():
     """kvlab's compiled C kernels. A machine without AVX2 or a compiler may skip (not in CI);
     a build that fails raises KernelBuildError, which fails the test everywhere."""
-    from kvlab.nn.ggml import kernels, kernels_unavailable
+    from kvlab.nn.kernels import kernels, kernels_unavailable
 
     reason = kernels_unavailable()
     if reason is not None:

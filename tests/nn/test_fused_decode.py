@@ -10,7 +10,8 @@ from kvlab.cache.contiguous import ContiguousCache
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.fused_decode import FusedDecodeStep, fused_step_for, why_not_fused
 from kvlab.nn.generate import generate
-from kvlab.nn.ggml import GROUP, GGMLLinear, Planes, kernels
+from kvlab.nn.ggml import GROUP, GGMLLinear, Planes
+from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
 
 from needs import require_kernels

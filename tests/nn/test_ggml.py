@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvlab.errors import KvlabEnvironmentError
-from kvlab.nn.ggml import GROUP, KERNEL_ISAS, GGMLLinear, PackedPlanes, Planes, fp8_attention_isa, kernel_isa, \
-    kernels, quantize_activations, stack_planes, using_kernel_isa
+from kvlab.nn.ggml import GROUP, GGMLLinear, PackedPlanes, Planes, quantize_activations, stack_planes
+from kvlab.nn.kernels import KERNEL_ISAS, fp8_attention_isa, kernel_isa, kernels, using_kernel_isa
 
 from needs import require_kernels
 

@@ -15,7 +15,7 @@ from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
 from kvlab.nn.config import ModelConfig
-from kvlab.nn.ggml import using_kernel_isa
+from kvlab.nn.kernels import using_kernel_isa
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
 from test_fused_decode import GQA, TOLERANCE, assert_close_to_scale, ggml_model
@@ -348,7 +348,7 @@ def test_loading_a_library_whose_mirror_drifted_fails_loudly():
             _fields_ = abi.LlamaModel._fields_[:-1]
 
         abi.MIRRORS["llama_model"] = Short
-        from kvlab.nn.ggml import KernelBuildError, kernels
+        from kvlab.nn.kernels import KernelBuildError, kernels
         try:
             kernels()
         except KernelBuildError as error:

@@ -61,11 +61,11 @@ def provenance(threads: Optional[int] = None) -> dict:
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    ggml = sys.modules.get("kvlab.nn.ggml")  # only where this run used kvlab's kernels (no build here)
-    if ggml is not None:
+    kernels = sys.modules.get("kvlab.nn.kernels")  # only where this run used kvlab's kernels (no build here)
+    if kernels is not None:
         try:
-            info["machine"]["kernel_isa"] = ggml.kernel_isa()  # AVX2 or AVX-512 VNNI products
-            info["machine"]["fp8_attention_isa"] = ggml.fp8_attention_isa()  # AVX2 loop or its AVX-512 unit
+            info["machine"]["kernel_isa"] = kernels.kernel_isa()  # AVX2 or AVX-512 VNNI products
+            info["machine"]["fp8_attention_isa"] = kernels.fp8_attention_isa()  # AVX2 loop or its AVX-512 unit
         except Exception:  # noqa: BLE001 - a build error is the benchmark's to report, not the provenance's
             pass
     try:

@@ -28,7 +28,8 @@ from torch import nn
 from kvlab.checkpoints.tokenizer import Tokenizer, tokenizer_from_gguf
 from kvlab.nn.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvlab.checkpoints.gguf_planes import BlockPlanes, packed_from_blocks, planes_from_blocks, stack_packed
-from kvlab.nn.ggml import GROUP, PACKING_OF, Planes, ggml_layer, kernels, stack_planes
+from kvlab.nn.ggml import GROUP, PACKING_OF, Planes, ggml_layer, stack_planes
+from kvlab.nn.kernels import kernels
 from kvlab.nn.int4 import Int4Linear, int4_supported
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError

@@ -42,7 +42,7 @@ def load_from_args(args: argparse.Namespace):
         raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
     packing = args.weights
     if packing == "auto":
-        from kvlab.nn.ggml import kernels
+        from kvlab.nn.kernels import kernels
         packing = "gguf" if kernels() is not None and not args.kv_heads else "dense"
     loaded = load_checkpoint(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:

@@ -30,7 +30,7 @@ def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", thre
         torch.set_num_threads(threads)
     packing = weights
     if packing == "auto":
-        from kvlab.nn.ggml import kernels
+        from kvlab.nn.kernels import kernels
         packing = "gguf" if kernels() is not None else "dense"
     loaded = load_checkpoint(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], packing)
     return loaded.model, loaded.tokenizer

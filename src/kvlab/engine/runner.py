@@ -17,7 +17,7 @@ proposers' rounds: the self-draft as the C step cut to the target's first layers
 model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
 Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
 rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where prompts are not
-better off on PyTorch's fp32 GEMM (kvlab.nn.ggml.prompts_on_float_gemm); past that, and for a
+better off on PyTorch's fp32 GEMM (kvlab.nn.kernels.prompts_on_float_gemm); past that, and for a
 draft model's catch-up over a whole prompt, module by module.
 
 Test hook: with KVLAB_FAULT_INJECT=ID in the environment, a step that feeds token ID from a
@@ -40,14 +40,14 @@ from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logit
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
-from kvlab.nn.ggml import prompts_on_float_gemm
+from kvlab.nn.kernels import prompts_on_float_gemm
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
 # Up to this context, a step that reads prompt tokens runs them in the C step as rows of their own (every
 # decode row of the step with them). Each row there attends alone over its whole context, while the module
 # path's SDPA shares each key block among a tile of queries: past a few thousand tokens a prompt's rows cost
-# more in attention than in the weights. Where prompts multiply faster as fp32 (kvlab.nn.ggml.prompts_on_float_gemm),
+# more in attention than in the weights. Where prompts multiply faster as fp32 (kvlab.nn.kernels.prompts_on_float_gemm),
 # steps with prompt tokens run module by module instead.
 C_PROMPT_CONTEXT = 2048
 

@@ -4,7 +4,7 @@ ctypes lays a Structure out from its `_fields_` alone: a field added, removed or
 csrc/llama_decode.h but not here shifts every later field, and the C step then reads a
 pointer where it expects an int, with no error. csrc/abi.c exports a table of the structs'
 sizes, their fields' offsets and the shared constants; `abi_mismatches` compares it with
-these mirrors, and kvlab.nn.ggml's loader refuses a library for which it finds any.
+these mirrors, and kvlab.nn.kernels' loader refuses a library for which it finds any.
 
 Nothing here imports the loader, so the loader can import this module.
 """

@@ -26,7 +26,8 @@ from torch import nn
 from kvlab.cache.contiguous import ContiguousCache
 from kvlab.nn.c_abi import CACHE_DTYPES as C_CACHE_DTYPES, MAX_GROUP, KVPlane, LlamaLayer, LlamaModel, QMatrix, \
     QStack
-from kvlab.nn.ggml import GGMLLinear, GGMLStack, kernels
+from kvlab.nn.ggml import GGMLLinear, GGMLStack
+from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
 from kvlab.nn.rope import INTERLEAVED
 

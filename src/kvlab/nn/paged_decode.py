@@ -40,7 +40,8 @@ from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_INT8, KVPlane
 from kvlab.nn.fused_decode import llama_struct, new_arena, why_not_model
-from kvlab.nn.ggml import address, kernels
+from kvlab.nn.ggml import address
+from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
 
 ERRORS = {-1: "could not allocate its scratch memory", -2: "was handed a position or block outside the model or pool",

@@ -1,7 +1,7 @@
 /* The structs the decode steps (llama_decode.c) take from Python, and the constants they share.
  *
  * kvlab.nn.c_abi mirrors every struct here field for field with ctypes; abi.c exports their
- * sizes, field offsets and the constants, and the loader (kvlab.nn.ggml.kernels) refuses a
+ * sizes, field offsets and the constants, and the loader (kvlab.nn.kernels.kernels) refuses a
  * library whose table disagrees with the mirrors, so a field added on one side only fails
  * at load time instead of shifting every later field in silence.
  */
