@@ -34,6 +34,11 @@ def test_one_half_exact_the_other_as_the_format_rounds_it():
     assert pool == {"key_values": HEADS * 8 * DIM, "outside_range": outside,
                     "kept_exact": int(keys.k_rows[0].counts.long().sum())}
     assert 0 < pool["kept_exact"] <= pool["outside_range"]
+    rows = [2, 5]  # token positions 2 and 5: rows 1 and 4 past the sink token
+    some = key_outliers([keys], rows)
+    normalised = keys.k_rows[0].normalise(given_k[:, :, rows])
+    assert some == {"key_values": HEADS * 2 * DIM, "outside_range": int((normalised.abs() > 1).sum()),
+                    "kept_exact": int(keys.k_rows[0].counts.long()[:, :, [1, 4]].sum())}
     with pytest.raises(ValueError):
         with_exact(_cache(), "both")
 
@@ -66,3 +71,25 @@ def test_oracle_calibration_fits_the_evaluated_tokens_and_split_rows_labels_each
                                                               *layer.v_codebooks.values())]  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(fitted(oracle), fitted(same)))
     assert not all(torch.equal(a, b) for a, b in zip(fitted(oracle), fitted(shifted)))
+
+
+def test_passkey_key_outliers_counts_the_prompt_and_its_key_tokens() -> None:
+    from needs import STORIES, require_file
+
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.evals.calibrate import calibrate
+    from kvlab.report.kvquant_split import passkey_key_outliers
+
+    require_file(STORIES, "stories260K")
+    loaded = load_model(str(STORIES), torch.float32, "dense")
+    model, tokenizer = loaded.model.eval(), loaded.tokenizer
+    text = tokenizer.encode("Once upon a time there was a little girl who liked to play. " * 40, add_bos=False)
+    cal = calibrate(model, text, context=100, windows=2)
+    cell = passkey_key_outliers(model, tokenizer, cal, "kvquant4", 400, 0.5)
+    every, key = cell["all_tokens"], cell["key_tokens"]
+    layers, heads, dim = model.config.n_layers, model.config.kv_heads, model.config.head_size
+    assert cell["depth"] == 0.5 and len(cell["key"]) == 5 and 350 <= cell["length"] <= 400
+    assert every["key_values"] == layers * heads * (cell["length"] - 1) * dim
+    spelled = key["key_values"] // (layers * heads * dim)  # the key's tokens, in both of its mentions
+    assert key["key_values"] == spelled * layers * heads * dim and 2 <= spelled <= 12
+    assert 0 < key["outside_range"] <= every["outside_range"] and key["kept_exact"] <= every["kept_exact"]

@@ -12,6 +12,10 @@ windows themselves (the codebooks, key ranges and Fisher weights of exactly the 
 `oracle_calibration`) and runs the same three KVQuant rows with that. No calibration text can
 fit the evaluated text better than the text itself, so those rows bound from below what the
 format (its bits, its 1% of outliers, its per-layer codebooks) costs on this model.
+
+It also counts, on two of the report's 2,048-token passkey prompts, how many key values fall
+outside the calibrated channel ranges and how many the outlier pool keeps (`passkey_key_outliers`):
+the ranges are the calibration text's, and a prompt unlike it overflows the pool.
 Writes reports/real-models/kvquant_split.json:
 
     flock /tmp/kvlab-heavy.lock python -m kvlab.report.kvquant_split
@@ -23,6 +27,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,17 +57,38 @@ def with_exact(cache, half: str):
     return cache
 
 
-def key_outliers(caches: list) -> dict:
-    """Over KVQuant caches wrapped by `with_exact`: how many key values (past the fp16 sink tokens) fell
-    outside their channel's calibrated range, and how many of them the outlier pools kept exact."""
+def key_outliers(caches: list, positions: Optional[list[int]] = None) -> dict:
+    """Over KVQuant caches wrapped by `with_exact`: how many key values (past the fp16 sink tokens, or at
+    the token `positions` given) fell outside their channel's calibrated range, and how many of them
+    the outlier pools kept exact."""
     values = outside = kept = 0
     for cache in caches:
         for layer, rows in enumerate(cache.k_rows):
-            keys = cache.given[layer][0][:, :, cache.sink_tokens:]
+            keys, counts = cache.given[layer][0][:, :, cache.sink_tokens:], rows.counts.long()
+            if positions is not None:
+                index = torch.tensor([p - cache.sink_tokens for p in positions if p >= cache.sink_tokens])
+                keys, counts = keys[:, :, index], counts[:, :, index]
             values += keys.numel()
             outside += int((rows.normalise(keys).abs() > 1).sum())
-            kept += int(rows.counts.long().sum())
+            kept += int(counts.sum())
     return {"key_values": values, "outside_range": outside, "kept_exact": kept}
+
+
+def passkey_key_outliers(model, tokenizer, calibration, dtype: str, length: int, depth: float, seed: int = 0) -> dict:
+    """`key_outliers` on one passkey prompt (the real-models report's first trial of the cell, fed in one
+    pass): over all its tokens, and over the tokens that spell the key."""
+    from kvlab.evals.passkey import build_prompt, trial_key
+    from kvlab.evals.setting import KVSetting, new_cache
+
+    key = trial_key(seed, length, depth, 0)
+    prompt = build_prompt(tokenizer, length, depth, key)
+    ids = prompt.prefix + prompt.suffix
+    digits = [i for i, token in enumerate(ids) if any(c.isdigit() for c in tokenizer.decode([token]))]
+    cache = with_exact(new_cache(model, KVSetting(dtype), len(ids), calibration), "keys")
+    with torch.no_grad():
+        model(torch.tensor([ids]), cache=cache)
+    return {"length": len(ids), "depth": depth, "key": key, "all_tokens": key_outliers([cache]),
+            "key_tokens": key_outliers([cache], digits)}
 
 
 def oracle_calibration(model, windows: list[list[int]], meta: dict):
@@ -127,12 +153,21 @@ def main(argv=None) -> int:
     fp16 = rows["fp16"]["perplexity"]
     print(f"{'fp16':>44}: perplexity {fp16:.3f}", file=sys.stderr)
     calibrated, pool = split_rows(model, windows, calibration, args.kv_cache_dtype, fp16)
+    passkey = [passkey_key_outliers(model, tokenizer, calibration, args.kv_cache_dtype, 2048, depth)
+               for depth in (0.1, 0.5)]
+    for cell in passkey:
+        every, key = cell["all_tokens"], cell["key_tokens"]
+        print(f"passkey prompt, {cell['length']} tokens, depth {cell['depth']}: key values outside their channel's "
+              f"range {every['outside_range'] / every['key_values']:.2%} (the key's tokens "
+              f"{key['outside_range'] / key['key_values']:.2%}), kept exact {every['kept_exact'] / every['key_values']:.2%}"
+              f" ({key['kept_exact'] / key['key_values']:.2%})", file=sys.stderr)
     oracle = oracle_calibration(model, windows, {"model": report.MODEL})
     bound, oracle_pool = split_rows(model, windows, oracle, args.kv_cache_dtype, fp16,
                                     ", calibrated on the evaluated text")
     doc = {"model": report.MODEL, "text": EVAL_TEXT, "context": CONTEXT, "windows": WINDOWS, "chunk": CHUNK,
            "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": {**rows, **calibrated, **bound},
-           "key_outliers": pool, "key_outliers_oracle": oracle_pool, "provenance": provenance(args.threads)}
+           "key_outliers": pool, "key_outliers_oracle": oracle_pool, "passkey_key_outliers": passkey,
+           "provenance": provenance(args.threads)}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
