@@ -9,9 +9,11 @@ read by the values it was given).
 
 Then it asks whether a better calibration could close the gap: it calibrates on the evaluated
 windows themselves (the codebooks, key ranges and Fisher weights of exactly the tokens scored,
-`oracle_calibration`) and runs the same three KVQuant rows with that. No calibration text can
-fit the evaluated text better than the text itself, so those rows bound from below what the
-format (its bits, its 1% of outliers, its per-layer codebooks) costs on this model.
+`oracle_calibration`) and runs the same three KVQuant rows with that. No calibration text
+matches the evaluated text better than the text itself, so those rows show what the format
+(its bits, its 1% of outliers, its per-layer codebooks) costs on this model once a mismatched
+calibration is taken out of the question (the fit minimises a weighted squared error, not the
+loss, so this is the best calibration's cost in that sense, not a proof of a floor).
 
 It also counts, on two of the report's 2,048-token passkey prompts, how many key values fall
 outside the calibrated channel ranges and how many the outlier pool keeps (`passkey_key_outliers`):
