@@ -163,3 +163,12 @@ def test_kvquant_on_a_real_model_calibrates_holds_the_planned_bytes_and_tracks_f
             planned = kv_bytes_per_sequence(spec, len(held) - 1, formats) + kv_fixed_bytes(spec, formats)
             assert caches[0].nbytes() == planned
     assert results["kvquant4"] < results["fp32"] * 1.10 and results["kvquant3"] < results["fp32"] * 1.25
+
+
+def test_cli_refuses_a_text_that_is_not_utf8_in_one_line(tmp_path, capsys) -> None:
+    require_file(STORIES, "stories260K")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe not utf-8 \xc3\x28")
+    assert main(["eval", str(STORIES), "--task", "perplexity", "--text", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not UTF-8" in err and "Traceback" not in err

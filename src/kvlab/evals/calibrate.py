@@ -50,6 +50,22 @@ def calibration_windows(ids: list[int], context: int, windows: int) -> list[list
     return [ids[i * context:(i + 1) * context] for i in range(windows)]
 
 
+def calibration_ids(sources: dict[str, list[int]], context: int, windows: int) -> list[int]:
+    """The tokens of `windows` calibration windows of `context` tokens shared out among several texts
+    (name -> token ids), in order, each text giving its first windows and every text at least one, so
+    that a calibration can mix kinds of text (say a novel and one's own traffic) and no window
+    straddles two of them. `calibrate(model, calibration_ids(...), context, windows)` reads them."""
+    if windows < len(sources):
+        raise EvalError(f"--windows {windows} is fewer than the {len(sources)} calibration texts: each needs one")
+    out: list[int] = []
+    for index, (name, ids) in enumerate(sources.items()):
+        share = windows // len(sources) + (index < windows % len(sources))
+        if len(ids) < share * context:
+            raise EvalError(f"the calibration text {name} has {len(ids):,} tokens, fewer than its {share} x {context}")
+        out += ids[:share * context]
+    return out
+
+
 def collect(model, windows: list[list[int]], sensitivity: bool,
             on_window: Callable[[], None] = lambda: None) -> list[tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]]:
     """Per layer: keys, values [H, N, D] over every window's tokens, and their squared gradients."""
@@ -107,4 +123,9 @@ def calibrate(model, ids: list[int], context: int = 512, windows: int = 4, sensi
 
 
 def text_ids(tokenizer, path: Path) -> list[int]:
-    return tokenizer.encode(Path(path).read_text(encoding="utf-8"), add_bos=False)
+    """A UTF-8 text file's tokens (EvalError, a one-line user error, for one that is not UTF-8)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise EvalError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    return tokenizer.encode(text, add_bos=False)

@@ -107,6 +107,6 @@ class Evaluator:
 
     def text_ids(self, path: Path) -> list[int]:
         if path not in self.text_cache:
-            text = Path(path).read_text(encoding="utf-8")
-            self.text_cache[path] = self.tokenizer().encode(text, add_bos=False)
+            from kvlab.evals.calibrate import text_ids
+            self.text_cache[path] = text_ids(self.tokenizer(), path)
         return self.text_cache[path]
