@@ -21,10 +21,10 @@ that, not on the server). Every run now starts from `POST /reset_prefix_cache` (
 endpoint, which kvlab serve has too), an unrecorded warm-up run comes first, and the pairs
 alternate which client goes first.
 
-Each workload runs at two concurrencies, and what must agree differs (`AGREE`). At concurrency
-1 a request is served alone, so its TTFT (its prefill) and TPOT (one-row steps) do not depend on
-the client: every metric must agree. Under load (`--max-concurrency`, 4) a closed loop of equal
-requests is batched by when each client's next request lands: on this 2-core machine kvlab's
+Each workload runs at two concurrencies, and what must agree differs (`agreed_metrics`). At
+concurrency 1 a request is served alone, so its TTFT (its prefill) and TPOT (one-row steps) do not
+depend on the client: every metric must agree. Under load (`--max-concurrency`, 4) a closed loop
+of equal requests is batched by when each client's next request lands: on a 2-core EPYC kvlab's
 client kept its four requests in step (their prefills in one step, then four-row decodes:
 long TTFT, short TPOT) while vLLM's drifted apart (each prefill landing between the others'
 decode steps: short TTFT, long TPOT), so TTFT and TPOT moved up to 2x in opposite directions
@@ -232,8 +232,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      args.output_len, args.prefix_len, args.seed, args.threads, args.tolerance)
     for pair in result["pairs"]:
         v, k = pair["vllm"], pair["kvlab"]
-        print(f"{pair['dataset']} {pair['endpoint']} concurrency {pair['max_concurrency']}: vllm bench serve {v['completed']} ok / {v['failed']} failed, "
-              f"{v['output_throughput']:.1f} tok/s, TTFT {v['mean_ttft_ms']:.0f} ms, TPOT {v['mean_tpot_ms']:.1f} ms; "
+        print(f"{pair['dataset']} {pair['endpoint']} concurrency {pair['max_concurrency']}: vllm bench serve "
+              f"{v['completed']} ok / {v['failed']} failed, {v['output_throughput']:.1f} tok/s, TTFT {v['mean_ttft_ms']:.0f} ms, TPOT {v['mean_tpot_ms']:.1f} ms; "
               f"kvlab bench serve {k['completed']} ok / {k['failed']} failed, {k['output_throughput']:.1f} tok/s, "
               f"TTFT {k['mean_ttft_ms']:.0f} ms, TPOT {k['mean_tpot_ms']:.1f} ms; ratios "
               + ", ".join(f"{m} {r:.2f}" + ("" if m in pair["agreed"] else " (not judged)")

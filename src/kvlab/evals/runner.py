@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvlab.evals.calibrate import text_ids
 from kvlab.evals.passkey import run_cell
 from kvlab.evals.perplexity import perplexity, text_windows
 from kvlab.evals.setting import EvalError, KVSetting, build_model, new_cache
@@ -107,6 +108,5 @@ class Evaluator:
 
     def text_ids(self, path: Path) -> list[int]:
         if path not in self.text_cache:
-            from kvlab.evals.calibrate import text_ids
             self.text_cache[path] = text_ids(self.tokenizer(), path)
         return self.text_cache[path]
