@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from kvlab.bench.vllm_interop import COMPARED
+
 TARGET_LEVEL, TARGET_RATIO = 16, 5.0
 
 
@@ -182,7 +184,6 @@ def interop_lines(r: Optional[dict]) -> list[str]:
     if r is None:
         return lines + ["Not measured yet: `python -m kvlab.bench.vllm_interop --json "
                         "reports/serving/vllm_interop.json` (needs the vLLM venv).", ""]
-    metrics = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms")
     lines += [f"`python -m kvlab.bench.vllm_interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
               f"serve` on the same workload and seed against one `kvlab serve {r['model']}`, {r['num_prompts']} "
               f"requests of {r['output_len']} tokens at each concurrency ({_prov(r)}). Served one at a time, every "
@@ -193,8 +194,8 @@ def interop_lines(r: Optional[dict]) -> list[str]:
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in r["pairs"]:
         v, k, q = p["vllm"], p["kvlab"], p["vllm_over_kvlab"]
-        agreed = p.get("agreed", metrics)  # files from before the split by concurrency judged every ratio
-        cells = ["-" if q[m] is None else f"{q[m]:.2f}" if m in agreed else f"({q[m]:.2f})" for m in metrics]
+        agreed = p.get("agreed", COMPARED)  # files from before the split by concurrency judged every ratio
+        cells = ["-" if q[m] is None else f"{q[m]:.2f}" if m in agreed else f"({q[m]:.2f})" for m in COMPARED]
         lines.append(f"| {p['dataset']} | {p.get('endpoint', '/v1/completions')} | "
                      f"{p.get('max_concurrency', r['max_concurrency'])} | {v['completed']} / {v['failed']} | "
                      f"{k['completed']} / {k['failed']} | {v['total_output_tokens']}, {k['total_output_tokens']} | "
