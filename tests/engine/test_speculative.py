@@ -137,6 +137,21 @@ def test_expected_speedup_is_the_papers_formula():
     assert expected_tokens_per_step(0.5, 3) == 1 + 0.5 + 0.25 + 0.125
     assert expected_tokens_per_step(1.0, 4) == 5
     assert expected_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 1.2))
+    # a verification that costs 1.8 plain steps (k + 1 rows on a CPU) divides the same tokens by more
+    assert expected_speedup(0.8, 4, 0.05, verify_cost=1.8) == pytest.approx((1 - 0.8 ** 5) / (0.2 * 2.0))
+
+
+def test_acceptance_needed_inverts_the_expected_speedup():
+    from kvlab.plan.speculative import acceptance_needed, expected_speedup
+
+    a = acceptance_needed(1.5, 3, 0.1, verify_cost=1.4)
+    assert expected_speedup(a, 3, 0.1, verify_cost=1.4) == pytest.approx(1.5, abs=1e-9)
+    assert expected_speedup(a - 1e-3, 3, 0.1, verify_cost=1.4) < 1.5
+    # by hand, k = 1 and a free draft: (1 + a) / v = 1.5 at v = 1.2 means a = 0.8
+    assert acceptance_needed(1.5, 1, 0.0, verify_cost=1.2) == pytest.approx(0.8, abs=1e-9)
+    # even always accepted, 2 tokens per step over a cost of 1.5 is 1.33x: out of reach
+    assert acceptance_needed(1.5, 1, 0.0, verify_cost=1.5) is None
+    assert acceptance_needed(1.0, 2, 0.0) == 0.0  # a free draft and a free verification never lose
 
 
 def test_blocks_filled_by_accepted_drafts_are_named_from_their_own_tokens(stories_model, stories_tokenizer):
@@ -156,3 +171,34 @@ def test_blocks_filled_by_accepted_drafts_are_named_from_their_own_tokens(storie
                 named += 1
     assert named and engine.runner.spec_stats.num_accepted_tokens > 0
     assert_pool_free(engine)
+
+
+def test_plan_divides_by_the_verification_cost_it_is_given(capsys):
+    import json
+
+    from kvlab.cli import main
+    from kvlab.plan.speculative import expected_speedup
+
+    argv = ["plan", "smollm2-135m", "--draft", "smollm2-135m", "--acceptance-rate", "0.6", "--num-speculative-tokens",
+            "2", "--kv-cache-memory", "1000000000", "--json"]
+    results = []
+    for extra in ([], ["--verify-cost", "1.8"]):
+        assert main(argv + extra) == 0
+        results.append(json.loads(capsys.readouterr().out)["speculative"])
+    weight_bound, measured = results
+    assert weight_bound["verify_cost"] == 1.0 and measured["verify_cost"] == 1.8
+    assert weight_bound["cost_ratio"] == measured["cost_ratio"] == 1.0  # the target as its own draft
+    assert measured["expected_speedup"] == expected_speedup(0.6, 2, 1.0, 1.8) == pytest.approx(1.96 / 3.8)
+    assert weight_bound["expected_speedup"] == pytest.approx(1.96 / 3.0)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--draft", "smollm2-135m", "--acceptance-rate", "0.5", "--verify-cost", "0"], "--verify-cost must be positive"),
+    (["--verify-cost", "1.5"], "--verify-cost needs --draft MODEL and --acceptance-rate"),
+])
+def test_plan_verify_cost_mistakes_are_one_line(flags, message, capsys):
+    from kvlab.cli import main
+
+    assert main(["plan", "smollm2-135m", "--kv-cache-memory", "1000000000"] + flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

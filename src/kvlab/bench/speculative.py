@@ -5,7 +5,7 @@
 Grid: batch 1 and 8, temperature 0 and 0.7, two workloads (chat: held-out ShareGPT first
 turns; predictable: held-out code and list requests, kvlab.draft.prompts), methods: the two
 trained drafts (`kvlab draft train`, sizes xs and s), the self-draft (the target's first
-layers) and n-gram lookup, k in {2, 4} everywhere plus the full k = 1..6 sweep for the
+layers) and n-gram lookup (matches of 1 to 4 tokens, and of 2 to 4: "ngram-2"), k in {2, 4} everywhere plus the full k = 1..6 sweep for the
 trained drafts at batch 1, greedy, in both workloads. Each cell (batch, temperature,
 workload) runs its plain-decoding baseline before and after its speculative runs, so every
 ratio is against plain decoding measured minutes apart in the same process; greedy runs
@@ -13,6 +13,9 @@ also check that the tokens equal the baseline's. Every engine shares one loaded 
 Speeds are decode speeds: generated tokens after the first over the time from each group's
 first token to its last (the prompts' prefill excluded, a draft model's catch-up over the
 prompt included); results.json also keeps end-to-end tok/s.
+Before the grid, kvlab.bench.spec_costs times what a proposer round and a verification of
+k + 1 tokens cost against a plain step, so the report can hold the measured speed-ups against
+the paper's formula with this machine's costs, and say what acceptance a target would need.
 The JSON keeps every run; the README is written from it (kvlab.bench.speculative_report).
 """
 
@@ -50,6 +53,8 @@ def methods(drafts: dict[str, str], self_layers: int) -> list[tuple[str, dict]]:
     out = [(f"draft-{size}", {"method": "draft_model", "model": path}) for size, path in drafts.items()]
     out.append((f"self-{self_layers}", {"method": "self", "num_layers": self_layers}))
     out.append(("ngram", {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}))
+    # a match of two tokens or more: fewer proposals, each likelier to hold, where every drafted row costs
+    out.append(("ngram-2", {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}))
     return out
 
 
@@ -87,6 +92,7 @@ def run_once(model, tokenizer, prompts, temperature: float, max_tokens: int, spe
 
 def run(args: argparse.Namespace, on_cell=None) -> dict:
     from kvlab.bench.provenance import provenance
+    from kvlab.bench.spec_costs import measure_step_costs
     from kvlab.checkpoints.resolve import load_model
     from kvlab.train.progress import progress_bar
 
@@ -119,7 +125,11 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
                   sys.argv[1:] if argv_of(args) is None else argv_of(args)), "model": args.model, "max_tokens": args.max_tokens,
               "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_summaries(drafts),
               "provenance": provenance()}
-    prompts = {w: workload_prompts(tokenizer, w, max(BATCHES)) for w in ("chat", "predictable")}
+    prompts = {w: workload_prompts(tokenizer, w, max(BATCHES, args.prompts_b1)) for w in ("chat", "predictable")}
+    # what a proposer round and a verification cost here, at the chat requests' mean context mid-answer
+    context = round(sum(map(len, prompts["chat"][:args.prompts_b1])) / args.prompts_b1) + args.max_tokens // 2
+    proposers = {name: spec for name, spec in methods(drafts, args.self_layers) if spec["method"] != "ngram"}
+    header["step_costs"] = measure_step_costs(model, tokenizer, proposers, context)
     for workload, batch, temperature, runs in grid:
         chosen = prompts[workload][:args.prompts_b1] if batch == 1 else prompts[workload][:batch]
         base = [run_once(model, tokenizer, chosen, temperature, args.max_tokens, None, batch)]
@@ -175,7 +185,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-s", default=default_draft_dir("s"), help="trained draft s")
     parser.add_argument("--self-layers", type=int, default=6, help="self-draft depth (default 6 of 30)")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
-    parser.add_argument("--prompts-b1", type=int, default=2, help="requests at batch 1, one after another (default 2)")
+    parser.add_argument("--prompts-b1", type=int, default=4, help="requests at batch 1, one after another (default 4)")
     parser.add_argument("--out", default="reports/speculative", help="folder for results.json and README.md")
     parser.add_argument("--quick", action="store_true",
                         help="k = 3 for every method, k in {1, 2, 4, 6} for the trained drafts at batch 1, greedy")

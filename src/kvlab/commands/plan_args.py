@@ -87,6 +87,10 @@ def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculative_arguments(parser, "expected acceptance rate a, for the paper's speed-up")
+    spec = next(group for group in parser._action_groups if group.title == "speculative decoding")
+    spec.add_argument("--verify-cost", type=float, default=1.0,
+                      help="what verifying k + 1 tokens costs in plain decode steps (1: decode bound by weight reads, "
+                           "as on a GPU; on a CPU measure it: python3 -m kvlab.bench.speculative)")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence (4096)")
     workload.add_argument("--batch", type=positive_int, default=1, help="concurrent sequences (1)")
@@ -177,5 +181,5 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         block_size=args.block_size, vllm_device=args.vllm_device, max_num_batched_tokens=args.max_num_batched_tokens,
         vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
         draft=load_model(args.draft) if args.draft else None, acceptance_rate=args.acceptance_rate,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens, verify_cost=args.verify_cost,
     )

@@ -46,6 +46,7 @@ class PlanRequest:
     draft: Optional[ModelSpec] = None  # speculative decoding's draft model (its weights and KV count too)
     acceptance_rate: Optional[float] = None
     num_speculative_tokens: int = 3
+    verify_cost: float = 1.0  # verifying k + 1 tokens, in plain decode steps (kvlab.plan.speculative)
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
@@ -65,6 +66,10 @@ class PlanRequest:
             raise PlanError(f"--engine must be kvlab or vllm, got {self.engine!r}")
         if self.vllm_device not in VLLM_DEVICES:
             raise PlanError(f"--vllm-device must be one of {', '.join(VLLM_DEVICES)}, got {self.vllm_device!r}")
+        if not self.verify_cost > 0:
+            raise PlanError(f"--verify-cost must be positive, got {self.verify_cost}")
+        if self.verify_cost != 1.0 and self.acceptance_rate is None:
+            raise PlanError("--verify-cost needs --draft MODEL and --acceptance-rate A (it only enters the speed-up)")
 
     def batched_tokens(self) -> int:
         """vllm serve's max_num_batched_tokens: 8192 on cards of 70 GiB or more other than A100, else 2048.
@@ -208,7 +213,9 @@ def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.
         info["acceptance_rate"] = request.acceptance_rate
         info["expected_tokens_per_step"] = expected_tokens_per_step(request.acceptance_rate, k)
         if info["cost_ratio"] is not None:
-            info["expected_speedup"] = expected_speedup(request.acceptance_rate, k, info["cost_ratio"])
+            info["verify_cost"] = request.verify_cost
+            info["expected_speedup"] = expected_speedup(request.acceptance_rate, k, info["cost_ratio"],
+                                                        request.verify_cost)
     result["speculative"] = info
 
 

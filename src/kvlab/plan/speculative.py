@@ -9,12 +9,18 @@ budget // (target + draft bytes per block) blocks, each addressing both caches.
 Speed (Leviathan, Kalman and Matias, 2022): with acceptance rate a and k drafted tokens, a
 step emits (1 - a^(k+1)) / (1 - a) tokens on average, and costs k draft steps plus one target
 verification; with c the draft step's cost relative to the target's, the expected speed-up
-over plain decoding is (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+over plain decoding is (1 - a^(k+1)) / ((1 - a)(k c + v)), where v, the verification's cost
+relative to a plain step, is 1 where batch-1 decode is bound by reading the weights (a GPU):
+k + 1 rows cost what one does. Where the arithmetic per row is not small beside the weight
+reads (on 2 CPU cores each extra row of a SmolLM2 step costs a tenth to a quarter of it) v is measured
+(kvlab.bench.speculative) and passed in, and `acceptance_needed` says what a target speed-up
+then asks of the draft.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 from kvlab.plan.capacity import CacheFormats, kv_bytes_per_sequence
 from kvlab.plan.errors import PlanError
@@ -45,11 +51,31 @@ def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
     return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
 
 
-def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float) -> float:
-    """Expected tokens per step over the step's relative cost (k draft steps at `cost_ratio` + 1 verification)."""
+def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
+    """Expected tokens per step over the step's relative cost: k draft steps at `cost_ratio` each, plus the
+    verification of k + 1 tokens at `verify_cost` plain steps (1 where decode is bound by weight reads)."""
     if cost_ratio < 0:
         raise PlanError(f"the draft's relative cost must be non-negative, got {cost_ratio}")
-    return expected_tokens_per_step(acceptance_rate, k) / (k * cost_ratio + 1)
+    if verify_cost <= 0:
+        raise PlanError(f"--verify-cost must be positive, got {verify_cost}")
+    return expected_tokens_per_step(acceptance_rate, k) / (k * cost_ratio + verify_cost)
+
+
+def acceptance_needed(speedup: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> Optional[float]:
+    """The smallest acceptance rate at which `expected_speedup` reaches `speedup`; None when even a draft
+    that is always accepted falls short ((k + 1) tokens per step over the step's cost)."""
+    if expected_speedup(1.0, k, cost_ratio, verify_cost) < speedup:
+        return None
+    if expected_speedup(0.0, k, cost_ratio, verify_cost) >= speedup:
+        return 0.0
+    low, high = 0.0, 1.0  # expected_speedup rises with the acceptance rate
+    for _ in range(60):
+        middle = (low + high) / 2
+        if expected_speedup(middle, k, cost_ratio, verify_cost) >= speedup:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def check_speculation(acceptance_rate: float, k: int) -> None:

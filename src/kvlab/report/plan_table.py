@@ -62,7 +62,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         if "expected_speedup" in spec:
             table.add_row(f"speculative, a={spec['acceptance_rate']}, k={spec['num_speculative_tokens']}",
                           f"{spec['expected_tokens_per_step']:.2f} tokens/step, {spec['expected_speedup']:.2f}x "
-                          f"expected (draft step {spec['cost_ratio']:.3f} of the target's)")
+                          f"expected (draft step {spec['cost_ratio']:.3f} of the target's, verification "
+                          f"{spec['verify_cost']:g})")
     table.add_row("KV bytes per token", _size(result["kv_bytes_per_token"]))
     table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
     table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))

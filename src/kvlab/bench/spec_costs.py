@@ -1,0 +1,77 @@
+"""What a speculative step costs on this machine, in plain decode steps: the measured side of the paper's formula.
+
+Leviathan et al.'s expected speed-up, (1 - a^(k+1)) / ((1 - a)(k c + v)), takes two costs
+relative to a plain batch-1 decode step: c, one proposer round for one drafted token, and v,
+the target's verification of k + 1 tokens. Where decode is bound by reading the weights, v is
+1; on a CPU each extra row is real arithmetic, so v is measured here rather than assumed:
+- verify_cost[n]: the target's C step feeding n tokens of one sequence (its last token and
+  n - 1 drafts, logits for every row, as the engine's verification asks) over the same step
+  feeding one token, at the same context;
+- draft_cost[method]: one proposer round (a draft model's C step over its own side of the
+  pool, or the target's C step cut to its first layers) over the target's one-token step.
+Every shape is timed in turn within each repetition (so a slow spell on a shared machine lands
+on all of them) and each figure is the median over repetitions; the KV the steps read is real
+(a prompt of `context` tokens written first) and the same blocks are overwritten every call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+MAX_ROWS = 7  # verifications of up to k = 6 drafts, as the benchmark's sweep
+
+
+def _timed(call, iterations: int) -> float:
+    began = time.perf_counter()
+    for _ in range(iterations):
+        call()
+    return (time.perf_counter() - began) / iterations
+
+
+def _engine(model, tokenizer, spec: Optional[dict]):
+    from kvlab.engine import EngineConfig, LLMEngine
+    return LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=1, speculative_config=spec))
+
+
+@torch.inference_mode()
+def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: int = 256, max_rows: int = MAX_ROWS,
+                       repetitions: int = 7, iterations: int = 8) -> dict:
+    """Milliseconds per step and the ratios above; `proposers` maps a method's name to its speculative_config
+    (draft_model or self; n-gram lookup drafts without a model and costs no step). Empty where the target
+    has no C paged step (the ratios would describe the module-by-module path, which the engine avoids)."""
+    target = _engine(model, tokenizer, None)
+    step = target.runner.paged_step
+    if step is None:
+        return {}
+    block_size = target.pool.block_size
+    table = list(range(-(-(context + max_rows) // block_size)))
+    drawn = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    prompt = [int(t) for t in drawn]
+    step.feeds([prompt], [0], [table], logit_rows=[context - 1])
+    calls = {f"verify:{n}": (lambda n=n: step.feeds([prompt[:n]], [context], [table], logit_rows=list(range(n))))
+             for n in range(1, max_rows + 1)}
+    keep = [target]
+    for name, spec in proposers.items():
+        engine = _engine(model, tokenizer, spec)
+        draft_step = engine.runner.draft_step
+        if draft_step is None:
+            continue
+        keep.append(engine)
+        draft_step.feeds([prompt], [0], [table], logit_rows=[context - 1])  # its own K/V (a draft model's pool)
+        calls[f"draft:{name}"] = lambda s=draft_step: s.feeds([prompt[:1]], [context], [table])
+    for call in calls.values():  # warm-up: pages, the arena's growth
+        call()
+    samples: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repetitions):
+        for key, call in calls.items():
+            samples[key].append(_timed(call, iterations))
+    ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
+    plain = ms["verify:1"]
+    return {"context": context, "repetitions": repetitions, "iterations": iterations, "plain_step_ms": plain,
+            "step_ms": ms,
+            "verify_cost": {str(n): ms[f"verify:{n}"] / plain for n in range(1, max_rows + 1)},  # JSON's keys
+            "draft_cost": {key.split(":", 1)[1]: value / plain for key, value in ms.items() if key.startswith("draft:")}}
