@@ -23,16 +23,22 @@ def test_cost_model_holds_each_run_against_the_measured_costs():
 
     costs = {"context": 300, "repetitions": 7, "plain_step_ms": 10.0, "step_ms": {},
              "verify_cost": {"1": 1.0, "2": 1.2, "3": 1.4, "4": 1.6, "5": 1.8}, "draft_cost": {"draft-xs": 0.2}}
-    runs = [{"method": "ngram", "k": 2, "mean_acceptance_length": 2.1, "speedup": 1.3},
-            {"method": "draft-xs", "k": 1, "mean_acceptance_length": 1.5, "speedup": 1.0},
-            {"method": "ngram", "k": 4, "mean_acceptance_length": 2.0, "speedup": 1.1},
-            {"method": "self-6", "k": 2, "mean_acceptance_length": 1.1, "speedup": 0.5}]  # no cost measured: left out
+    runs = [{"method": "ngram", "k": 2, "mean_acceptance_length": 2.1, "speedup": 1.3, "num_drafts": 10,
+             "decode_tokens": 42},
+            {"method": "draft-xs", "k": 1, "mean_acceptance_length": 1.5, "speedup": 1.0, "num_drafts": 20,
+             "decode_tokens": 30},
+            {"method": "ngram", "k": 4, "mean_acceptance_length": 2.0, "speedup": 1.1, "num_drafts": 0,
+             "decode_tokens": 40},
+            {"method": "self-6", "k": 2, "mean_acceptance_length": 1.1, "speedup": 0.5, "num_drafts": 5,
+             "decode_tokens": 6}]  # no cost measured: left out
     text = "\n".join(cost_model(costs, {"runs": runs}))
-    # ngram k = 2: cost 1.4 (three rows), predicted 2.1 / 1.4 = 1.5x, 1.5 x 1.4 = 2.1 tokens needed
-    assert "| ngram | 2 | 1.40 | 2.10 | 1.50x | 1.30x | 2.10 |" in text
+    # ngram k = 2: cost 1.4 (three rows), its drafting steps pay 2.1 / 1.4 = 1.5x and emit 21 of 42 tokens:
+    # 42 / (21 plain steps + 10 x 1.4) = 1.2x over the answer; 1.5 x 1.4 = 2.1 tokens needed
+    assert "| ngram | 2 | 1.40 | 2.10 | 1.50x | 50% | 1.20x | 1.30x | 2.10 |" in text
     # draft-xs k = 1: one round at 0.2 and two rows at 1.2 cost 1.4: 2.1 tokens needed, over k + 1 = 2
-    assert "| draft-xs | 1 | 1.40 | 1.50 | 1.07x | 1.00x | 2.10 (over k + 1: out of reach) | - |" in text
-    # ngram k = 4: 5 rows cost 1.8, 2.7 tokens needed, within 5: the paper's a that gives 1.5x is solved for
+    assert "| draft-xs | 1 | 1.40 | 1.50 | 1.07x | 100% | 1.07x | 1.00x | 2.10 (over k + 1: out of reach) | - |" in text
+    # ngram k = 4 that never matched: all plain steps, predicted 1x; 2.7 tokens needed, within 5
     from kvlab.plan.speculative import acceptance_needed
-    assert f"| ngram | 4 | 1.80 | 2.00 | 1.11x | 1.10x | 2.70 | {acceptance_needed(1.5, 4, 0.0, 1.8):.2f} |" in text
+    assert (f"| ngram | 4 | 1.80 | 2.00 | 1.11x | 0% | 1.00x | 1.10x | 2.70 | "
+            f"{acceptance_needed(1.5, 4, 0.0, 1.8):.2f} |") in text
     assert "self-6" not in text

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
                   sys.argv[1:] if argv_of(args) is None else argv_of(args)), "model": args.model, "max_tokens": args.max_tokens,
               "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_summaries(drafts),
               "provenance": provenance()}
-    prompts = {w: workload_prompts(tokenizer, w, max(BATCHES, args.prompts_b1)) for w in ("chat", "predictable")}
+    prompts = {w: workload_prompts(tokenizer, w, max(*BATCHES, args.prompts_b1)) for w in ("chat", "predictable")}
     # what a proposer round and a verification cost here, at the chat requests' mean context mid-answer
     context = round(sum(map(len, prompts["chat"][:args.prompts_b1])) / args.prompts_b1) + args.max_tokens // 2
     proposers = {name: spec for name, spec in methods(drafts, args.self_layers) if spec["method"] != "ngram"}
