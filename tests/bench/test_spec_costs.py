@@ -30,3 +30,15 @@ def test_a_model_without_the_c_step_has_no_costs():
     from kvlab.nn.model import Decoder
 
     assert measure_step_costs(Decoder(GQA), None, {}) == {}
+
+
+def test_two_measurements_combine_into_their_means_and_keep_both():
+    from kvlab.bench.spec_costs import combine_costs
+
+    before = {"context": 60, "repetitions": 7, "iterations": 8, "plain_step_ms": 10.0,
+              "verify_cost": {"1": 1.0, "2": 1.2}, "draft_cost": {"draft-xs": 0.1}}
+    after = {**before, "plain_step_ms": 12.0, "verify_cost": {"1": 1.0, "2": 1.4}, "draft_cost": {"draft-xs": 0.2}}
+    both = combine_costs([before, {}, after])  # a model without the C step measures nothing: skipped
+    assert both["plain_step_ms"] == 11.0 and both["verify_cost"] == {"1": 1.0, "2": pytest.approx(1.3)}
+    assert both["draft_cost"] == {"draft-xs": pytest.approx(0.15)} and both["runs"] == [before, after]
+    assert combine_costs([{}, {}]) == {}

@@ -45,3 +45,20 @@ def test_the_page_states_same_run_ratios_and_the_target(tmp_path):
     assert "Not measured yet: `PIECES=peers1024 scripts/serving_report.sh`" in page
     assert "commit abcdef1" in page
     assert main([str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == page
+
+
+def test_latencies_of_a_server_that_cut_answers_off_are_not_held_against_kvlab(tmp_path):
+    cut = {**_run(16, 3.5, 5000.0, 14.0), "total_output_tokens": 39}  # 39 of 384 tokens: streams cancelled
+    peers = [{"name": "kvlab", "status": "ran", "note": "GGUF", "startup_s": 3.0, "vllm_extras": True,
+              "runs": [_run(16, 300.0, 2000.0, 25.0)]},
+             {"name": "llama.cpp", "status": "ran", "note": "GGUF", "startup_s": 1.0, "vllm_extras": True,
+              "runs": [cut]},
+             {"name": "llama.cpp-serial", "status": "ran", "note": "GGUF", "startup_s": 1.0, "vllm_extras": True,
+              "runs": [{**_run(16, 50.0, 9000.0, 28.0), "total_output_tokens": 346}]}]  # 90%: compared
+    (tmp_path / "compare_peers128.json").write_text(json.dumps(_compare(peers)))
+    page = render(tmp_path)
+    assert ("p99 TPOT 25.0 ms: no worse than any peer's (latencies not compared for llama.cpp, which sent back "
+            "39 of 384 tokens).") in page
+    peers[2]["runs"][0]["p99_tpot_ms"] = 24.0
+    (tmp_path / "compare_peers128.json").write_text(json.dumps(_compare(peers)))
+    assert "worse than llama.cpp-serial (tpot 24 ms) (latencies not compared for llama.cpp" in render(tmp_path)

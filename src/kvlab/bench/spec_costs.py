@@ -75,3 +75,21 @@ def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: in
             "step_ms": ms,
             "verify_cost": {str(n): ms[f"verify:{n}"] / plain for n in range(1, max_rows + 1)},  # JSON's keys
             "draft_cost": {key.split(":", 1)[1]: value / plain for key, value in ms.items() if key.startswith("draft:")}}
+
+
+def combine_costs(runs: list[dict]) -> dict:
+    """Several measurements (before and after a benchmark's grid) as one: each ratio's mean, and every run kept
+    under "runs" so the report can show the spread."""
+    runs = [run for run in runs if run]
+    if not runs:
+        return {}
+    first = runs[0]
+
+    def mean(pick):
+        return sum(pick(run) for run in runs) / len(runs)
+
+    return {"context": first["context"], "repetitions": first["repetitions"], "iterations": first["iterations"],
+            "plain_step_ms": mean(lambda run: run["plain_step_ms"]),
+            "verify_cost": {n: mean(lambda run: run["verify_cost"][n]) for n in first["verify_cost"]},
+            "draft_cost": {name: mean(lambda run: run["draft_cost"][name]) for name in first["draft_cost"]},
+            "runs": runs}

@@ -13,8 +13,8 @@ also check that the tokens equal the baseline's. Every engine shares one loaded 
 Speeds are decode speeds: generated tokens after the first over the time from each group's
 first token to its last (the prompts' prefill excluded, a draft model's catch-up over the
 prompt included); results.json also keeps end-to-end tok/s.
-Before the grid, kvlab.bench.spec_costs times what a proposer round and a verification of
-k + 1 tokens cost against a plain step, so the report can hold the measured speed-ups against
+Before the grid and again after it, kvlab.bench.spec_costs times what a proposer round and a
+verification of k + 1 tokens cost against a plain step (the report uses their mean and shows both), so the report can hold the measured speed-ups against
 the paper's formula with this machine's costs, and say what acceptance a target would need.
 The JSON keeps every run; the README is written from it (kvlab.bench.speculative_report).
 """
@@ -92,7 +92,7 @@ def run_once(model, tokenizer, prompts, temperature: float, max_tokens: int, spe
 
 def run(args: argparse.Namespace, on_cell=None) -> dict:
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.spec_costs import measure_step_costs
+    from kvlab.bench.spec_costs import combine_costs, measure_step_costs
     from kvlab.checkpoints.resolve import load_model
     from kvlab.train.progress import progress_bar
 
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
     # what a proposer round and a verification cost here, at the chat requests' mean context mid-answer
     context = round(sum(map(len, prompts["chat"][:args.prompts_b1])) / args.prompts_b1) + args.max_tokens // 2
     proposers = {name: spec for name, spec in methods(drafts, args.self_layers) if spec["method"] != "ngram"}
-    header["step_costs"] = measure_step_costs(model, tokenizer, proposers, context)
+    costs_before = measure_step_costs(model, tokenizer, proposers, context)
+    header["step_costs"] = costs_before
     for workload, batch, temperature, runs in grid:
         chosen = prompts[workload][:args.prompts_b1] if batch == 1 else prompts[workload][:batch]
         base = [run_once(model, tokenizer, chosen, temperature, args.max_tokens, None, batch)]
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
               + max((f"{r['speedup']:.2f}x {r['method']} k={r['k']}" for r in results), default="-"),
               file=sys.stderr, flush=True)
     bar and bar.close()
+    header["step_costs"] = combine_costs([costs_before, measure_step_costs(model, tokenizer, proposers, context)])
     return {**header, "cells": cells, "partial": False}
 
 

@@ -113,17 +113,24 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
     emits its mean acceptance length L for its cost, so it pays TARGET_SPEEDUP only if L >= TARGET_SPEEDUP x cost;
     L cannot pass k + 1. The paper's per-token acceptance rate that gives it is solved from its formula."""
     from kvlab.plan.speculative import acceptance_needed
-    verify = costs["verify_cost"]
+    verify, runs = costs["verify_cost"], costs.get("runs") or [costs]
+    when = "before and after the grid" if len(runs) > 1 else "before the grid"
     lines = ["## What a step costs here, and what the target asks", "",
-             f"Measured before the grid (kvlab.bench.spec_costs, context {costs['context']} tokens, median of "
-             f"{costs['repetitions']} interleaved repetitions): a plain batch-1 step of the target takes "
-             f"{costs['plain_step_ms']:.2f} ms. Verifying n tokens (the last one and n - 1 drafts) in one step costs, "
-             "in plain steps:", "",
+             f"Measured {when} (kvlab.bench.spec_costs, context {costs['context']} tokens, each the median of "
+             f"{costs['repetitions']} interleaved repetitions; the figures used are the mean): a plain batch-1 step "
+             f"of the target takes {costs['plain_step_ms']:.2f} ms. Verifying n tokens (the last one and n - 1 "
+             "drafts) in one step costs, in plain steps:", "",
              "| n | " + " | ".join(verify) + " |", "|---|" + "---|" * len(verify),
-             "| cost | " + " | ".join(f"{v:.2f}" for v in verify.values()) + " |", ""]
+             "| cost | " + " | ".join(f"{v:.2f}" for v in verify.values()) + " |"]
+    if len(runs) > 1:
+        lines += [f"| {label} | " + " | ".join(f"{run['verify_cost'][n]:.2f}" for n in verify) + " |"
+                  for label, run in zip(("before", "after"), runs)]
+    lines.append("")
     if costs["draft_cost"]:
         lines += ["One proposer round, per drafted token, in plain steps: "
-                  + "; ".join(f"{name} {c:.2f}" for name, c in costs["draft_cost"].items())
+                  + "; ".join(f"{name} {c:.2f}" + (" (" + ", ".join(f"{run['draft_cost'][name]:.2f}" for run in runs)
+                                                    + ")" if len(runs) > 1 else "")
+                              for name, c in costs["draft_cost"].items())
                   + " (n-gram lookup: no model step).", ""]
     lines += [f"A drafting step emits L tokens on average (the mean acceptance length) and costs k proposer rounds "
               f"plus the verification of k + 1 tokens, so it pays L / cost; it reaches {TARGET_SPEEDUP}x only if "
