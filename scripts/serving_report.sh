@@ -7,6 +7,7 @@
 # Pieces (each its own JSON, each under the heavy lock so timings stay honest):
 #   peers128 peers1024  kvlab vs llama.cpp (both interrupt modes), transformers and vLLM servers, one prompt length
 #   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
+#   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats vs llama.cpp's serialised server, at 16
 #   kv                  kvlab with fp16, fp8 and int8 KV caches          prefix  prefix caching on/off, served
 #   spec                speculative decoding (ngram) on/off              ttft    engine-level prefix TTFT (prefix_ttft)
 #   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 a8 kv prefix spec ttft reliability interop decode"}
+PIECES=${PIECES:-"peers128 peers1024 a8 seats kv prefix spec ttft reliability interop decode"}
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
 SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
@@ -35,6 +36,13 @@ for piece in $PIECES; do
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama.cpp-serial --input-len 128,1024 \
             --max-concurrency 16 --kvlab-args "--kv-cache-dtype fp16 --weights gguf-a8" "${COMMON[@]}" \
             --json "$OUT/compare_a8.json" ;;
+    seats)
+        A8=(--kv-cache-dtype fp16 --weights gguf-a8)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama.cpp-serial --kvlab-args "${A8[*]}" \
+            --peer "kvlab-seats-4=$SERVE ${A8[*]} --max-num-seqs 4 --max-wait-ms 500" \
+            --peer "kvlab-seats-6=$SERVE ${A8[*]} --max-num-seqs 6 --max-wait-ms 500" \
+            --peer "kvlab-seats-8=$SERVE ${A8[*]} --max-num-seqs 8 --max-wait-ms 500" \
+            --input-len 128 --max-concurrency 16 "${COMMON[@]}" --json "$OUT/compare_seats.json" ;;
     kv)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \
             --peer "kvlab-fp8=$SERVE --kv-cache-dtype fp8" --peer "kvlab-int8=$SERVE --kv-cache-dtype int8" \

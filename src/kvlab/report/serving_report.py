@@ -127,6 +127,41 @@ def target_lines(result: dict) -> list[str]:
     return lines
 
 
+def seats_lines(result: Optional[dict]) -> list[str]:
+    """Each kvlab setting of the seats sweep against the best other server: is it 5x, and are its p99 TTFT and
+    TPOT no worse? Throughput asks for many rows per step, a serial server's TPOT for few: this shows where
+    the two halves of the target meet, if they do."""
+    if result is None:
+        return []
+    lines = []
+    for cell in result["cells"]:
+        mine = [(p["name"], _run(p, cell)) for p in result["peers"] if p["name"].startswith("kvlab")]
+        others = [(p["name"], _run(p, cell)) for p in result["peers"] if not p["name"].startswith("kvlab")]
+        others = [(n, r) for n, r in others if r is not None and r["completed"]
+                  and r["total_output_tokens"] >= DELIVERED * r["requested_output_tokens"]]
+        if not others:
+            continue
+        name, peer = max(others, key=lambda item: item[1]["output_throughput"])
+        both = []
+        for label, run in mine:
+            if run is None or not run["completed"]:
+                continue
+            ratio = run["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else None
+            fast = ratio is not None and ratio >= TARGET_RATIO
+            tpot_ok, ttft_ok = (run[f"p99_{m}_ms"] <= peer[f"p99_{m}_ms"] for m in ("tpot", "ttft"))
+            if fast and tpot_ok and ttft_ok:
+                both.append(label)
+            lines.append(f"- {label}: {run['output_throughput']:.1f} tok/s, {ratio:.2f}x {name} "
+                         f"({'at least' if fast else 'under'} {TARGET_RATIO:g}x); p99 TPOT {run['p99_tpot_ms']:.1f} ms "
+                         f"against {peer['p99_tpot_ms']:.1f} ({'no worse' if tpot_ok else 'worse'}), p99 TTFT "
+                         f"{run['p99_ttft_ms']:.0f} ms against {peer['p99_ttft_ms']:.0f} "
+                         f"({'no worse' if ttft_ok else 'worse'}).")
+        lines += ["", f"Prompt {cell['input_len']}, concurrency {cell['max_concurrency']}: "
+                  + (f"{', '.join(both)} met{'s' if len(both) == 1 else ''} both halves of the target."
+                     if both else "no setting meets both halves of the target in this run."), ""]
+    return lines
+
+
 def variant_section(result: Optional[dict], title: str, what: str, name: str) -> list[str]:
     lines = [f"## {title}", ""]
     if result is None:
@@ -286,6 +321,15 @@ def render(folder: Path) -> str:
                              "(int8 activations cost SmolLM2 0.40% of perplexity and flip near-tied tokens; the "
                              "project README says more.)", "a8")
     lines += [*target_lines(a8), ""] if a8 is not None else []
+    seats = _load(folder, "compare_seats.json")
+    lines += variant_section(seats, "Seats against latency: `--max-num-seqs` at concurrency 16",
+                             "`kvlab serve --kv-cache-dtype fp16 --weights gguf-a8` with its default 64 seats "
+                             "(`kvlab`) and with `--max-num-seqs 4, 6, 8` (`kvlab-seats-N`, with `--max-wait-ms 500` so "
+                             "a wave's requests start together), against llama.cpp's serialised server, taking turns. "
+                             "A batch's step costs more per row on two CPU cores, so every seat added buys throughput "
+                             "with TPOT, while a server that decodes one request at a time has batch 1's TPOT and "
+                             "pays for it in TTFT.", "seats")
+    lines += seats_lines(seats)
     lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",
                              "`kvlab serve` three times, `--kv-cache-dtype fp16` (`kvlab`), `fp8` and `int8`, taking "
                              "turns; *kvlab / it* is fp16's throughput over the variant's.", "kv")
