@@ -54,7 +54,7 @@ def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: in
     step.feeds([prompt], [0], [table], logit_rows=[context - 1])
     calls = {f"verify:{n}": (lambda n=n: step.feeds([prompt[:n]], [context], [table], logit_rows=list(range(n))))
              for n in range(1, max_rows + 1)}
-    keep = [target]
+    keep = [target]  # the engines own the pools the steps write into: alive until the timing is done
     for name, spec in proposers.items():
         engine = _engine(model, tokenizer, spec)
         draft_step = engine.runner.draft_step

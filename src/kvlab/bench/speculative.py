@@ -5,17 +5,18 @@
 Grid: batch 1 and 8, temperature 0 and 0.7, two workloads (chat: held-out ShareGPT first
 turns; predictable: held-out code and list requests, kvlab.draft.prompts), methods: the two
 trained drafts (`kvlab draft train`, sizes xs and s), the self-draft (the target's first
-layers) and n-gram lookup (matches of 1 to 4 tokens, and of 2 to 4: "ngram-2"), k in {2, 4} everywhere plus the full k = 1..6 sweep for the
-trained drafts at batch 1, greedy, in both workloads. Each cell (batch, temperature,
-workload) runs its plain-decoding baseline before and after its speculative runs, so every
-ratio is against plain decoding measured minutes apart in the same process; greedy runs
-also check that the tokens equal the baseline's. Every engine shares one loaded target.
-Speeds are decode speeds: generated tokens after the first over the time from each group's
+layers) and n-gram lookup (matches of 1 to 4 tokens, and of 2 to 4: "ngram-2"), k in {2, 4}
+everywhere plus the full k = 1..6 sweep for the trained drafts at batch 1, greedy, in both
+workloads. Each cell (batch, temperature, workload) runs its plain-decoding baseline before
+and after its speculative runs, so every ratio is against plain decoding measured minutes
+apart in the same process; greedy runs also check that the tokens equal the baseline's.
+Every engine shares one loaded target. Speeds are decode speeds: generated tokens after the first over the time from each group's
 first token to its last (the prompts' prefill excluded, a draft model's catch-up over the
 prompt included); results.json also keeps end-to-end tok/s.
 Before the grid and again after it, kvlab.bench.spec_costs times what a proposer round and a
-verification of k + 1 tokens cost against a plain step (the report uses their mean and shows both), so the report can hold the measured speed-ups against
-the paper's formula with this machine's costs, and say what acceptance a target would need.
+verification of k + 1 tokens cost against a plain step (the report uses their mean and shows
+both), so the report can hold the measured speed-ups against the paper's formula with this
+machine's costs, and say what acceptance a target would need.
 The JSON keeps every run; the README is written from it (kvlab.bench.speculative_report).
 """
 
