@@ -61,13 +61,15 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return spec
 
 
-def add_speculative_arguments(parser: argparse.ArgumentParser, acceptance_help: str) -> None:
-    """--draft, --acceptance-rate, --num-speculative-tokens: `kvlab plan`'s, which `kvlab fleet` shares."""
+def add_speculative_arguments(parser: argparse.ArgumentParser, acceptance_help: str) -> argparse._ArgumentGroup:
+    """--draft, --acceptance-rate, --num-speculative-tokens: `kvlab plan`'s, which `kvlab fleet` shares; the group,
+    for flags of one command's own."""
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--draft", metavar="MODEL", help="a draft model (preset, config.json or .gguf): its weights "
                                                        "and KV join the budget, and seats fall accordingly")
     spec.add_argument("--acceptance-rate", type=float, help=acceptance_help)
     spec.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="drafted tokens k (3)")
+    return spec
 
 
 def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[ModelSpec | None, float | None, int]:
@@ -86,8 +88,7 @@ def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
-    add_speculative_arguments(parser, "expected acceptance rate a, for the paper's speed-up")
-    spec = next(group for group in parser._action_groups if group.title == "speculative decoding")
+    spec = add_speculative_arguments(parser, "expected acceptance rate a, for the paper's speed-up")
     spec.add_argument("--verify-cost", type=float, default=1.0,
                       help="what verifying k + 1 tokens costs in plain decode steps (1: decode bound by weight reads, "
                            "as on a GPU; on a CPU measure it: python3 -m kvlab.bench.speculative)")

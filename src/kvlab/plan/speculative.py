@@ -12,9 +12,9 @@ verification; with c the draft step's cost relative to the target's, the expecte
 over plain decoding is (1 - a^(k+1)) / ((1 - a)(k c + v)), where v, the verification's cost
 relative to a plain step, is 1 where batch-1 decode is bound by reading the weights (a GPU):
 k + 1 rows cost what one does. Where the arithmetic per row is not small beside the weight
-reads (on 2 CPU cores each extra row of a SmolLM2 step costs a tenth to a quarter of it) v is measured
-(kvlab.bench.speculative) and passed in, and `acceptance_needed` says what a target speed-up
-then asks of the draft.
+reads (on 2 CPU cores each extra row of a SmolLM2 step costs a tenth to a quarter of it), v
+is measured (kvlab.bench.speculative) and passed in, and `acceptance_needed` says what a
+target speed-up then asks of the draft.
 """
 
 from __future__ import annotations
