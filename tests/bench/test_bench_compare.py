@@ -94,3 +94,18 @@ def test_each_level_gets_prompts_no_other_level_sent():
     assert sweep.requests_needed() == 12
     slices = [sweep.level_requests(12, level) for level in sweep.levels]
     assert slices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_sigterm_during_a_sweep_is_handled_as_ctrl_c_and_the_old_handler_comes_back():
+    """A `timeout` or killed job sends SIGTERM: run_compare must still resume and stop its paused servers."""
+    import os
+    import signal
+
+    from kvlab.bench.compare import terminate_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with terminate_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler before the next statement
+            pytest.fail("SIGTERM did not interrupt")
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -62,3 +62,21 @@ def test_latencies_of_a_server_that_cut_answers_off_are_not_held_against_kvlab(t
     peers[2]["runs"][0]["p99_tpot_ms"] = 24.0
     (tmp_path / "compare_peers128.json").write_text(json.dumps(_compare(peers)))
     assert "worse than llama.cpp-serial (tpot 24 ms) (latencies not compared for llama.cpp" in render(tmp_path)
+
+
+def test_the_seats_sweep_says_which_setting_meets_both_halves(tmp_path):
+    def peer(name, run):
+        return {"name": name, "status": "ran", "note": "GGUF", "startup_s": 1.0, "vllm_extras": True, "runs": [run]}
+
+    peers = [peer("kvlab", _run(16, 120.0, 2000.0, 40.0)),
+             peer("llama.cpp-serial", {**_run(16, 20.0, 15000.0, 15.0), "total_output_tokens": 378}),
+             peer("kvlab-seats-4", _run(16, 100.0, 3000.0, 14.0))]
+    (tmp_path / "compare_seats.json").write_text(json.dumps(_compare(peers)))
+    page = render(tmp_path)
+    assert ("- kvlab: 120.0 tok/s, 6.00x llama.cpp-serial (at least 5x); p99 TPOT 40.0 ms against 15.0 (worse), "
+            "p99 TTFT 2000 ms against 15000 (no worse).") in page
+    assert "- kvlab-seats-4: 100.0 tok/s, 5.00x llama.cpp-serial (at least 5x); p99 TPOT 14.0 ms" in page
+    assert "Prompt 128, concurrency 16: kvlab-seats-4 meets both halves of the target." in page
+    peers[2]["runs"][0]["p99_tpot_ms"] = 16.0
+    (tmp_path / "compare_seats.json").write_text(json.dumps(_compare(peers)))
+    assert "no setting meets both halves of the target in this run." in render(tmp_path)

@@ -13,7 +13,10 @@ per level, from this run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -123,6 +126,25 @@ def _first_model(base_url: str) -> str:
     return str(models[0].get("id"))
 
 
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM (a `timeout`, a job killed) handled as Ctrl-C while the sweep runs: without it Python dies at once,
+    the `finally` that resumes and stops the servers never runs, and the paused (SIGSTOP) servers are left
+    behind holding their memory, with nothing of the cells measured written. Main thread only (signal's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: Sweep, tokenizer,
                 say: Callable[[str], None], one_at_a_time: bool = False, progress=None) -> dict:
     """Start the peers, run the sweep (interleaved by level unless `one_at_a_time`), stop them; the result JSON.
@@ -138,34 +160,36 @@ def run_compare(peers: Sequence["Peer | Skipped"], ports: Sequence[int], sweep: 
     per_peer = sum(sweep.per_level(level) for _, level in cells)
     tick = progress(per_peer * len(live)) if progress else None
     interrupted = False
-    try:
-        if one_at_a_time:
-            for entry, port in live:
-                if entry.start(port, sweep, say):
-                    for input_len, level in cells:
-                        entry.run_level(sweep, input_len, level, tokenizer, tick)
-                    entry.stop()
-        else:
-            started = []
-            for entry, port in live:
-                if entry.start(port, sweep, say):
-                    entry.running.pause()
-                    started.append(entry)
-            for input_len, level in cells:
-                for entry in started:
-                    entry.running.resume()
-                    try:
-                        entry.run_level(sweep, input_len, level, tokenizer, tick)
-                    finally:
+    with terminate_as_interrupt():  # the servers are stopped however the sweep ends
+        try:
+            if one_at_a_time:
+                for entry, port in live:
+                    if entry.start(port, sweep, say):
+                        for input_len, level in cells:
+                            entry.run_level(sweep, input_len, level, tokenizer, tick)
+                        entry.stop()
+            else:
+                started = []
+                for entry, port in live:
+                    if entry.start(port, sweep, say):
                         entry.running.pause()
-                    say(f"{entry.peer.name}: prompt {input_len}, concurrency {level}: "
-                        f"{entry.runs[-1]['output_throughput']:.1f} output tok/s, {entry.runs[-1]['failed']} failed")
-    except KeyboardInterrupt:  # Ctrl-C: keep what was measured, say it is partial
-        interrupted = True
-        say("interrupted: the result holds the cells measured so far")
-    finally:
-        for entry, _ in live:
-            entry.stop()
+                        started.append(entry)
+                for input_len, level in cells:
+                    for entry in started:
+                        entry.running.resume()
+                        try:
+                            entry.run_level(sweep, input_len, level, tokenizer, tick)
+                        finally:
+                            entry.running.pause()
+                        last = entry.runs[-1]
+                        say(f"{entry.peer.name}: prompt {input_len}, concurrency {level}: "
+                            f"{last['output_throughput']:.1f} output tok/s, {last['failed']} failed")
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what was measured, say it is partial
+            interrupted = True
+            say("interrupted: the result holds the cells measured so far")
+        finally:
+            for entry, _ in live:
+                entry.stop()
     result = {"benchmark": "compare", "interrupted": interrupted, "input_lens": list(sweep.workloads), "levels": sweep.levels,
               "order": "one peer at a time" if one_at_a_time else
               "all peers up; each (prompt length, concurrency) cell run by every peer in turn, the others paused",

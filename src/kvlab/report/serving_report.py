@@ -157,7 +157,7 @@ def seats_lines(result: Optional[dict]) -> list[str]:
                          f"{run['p99_ttft_ms']:.0f} ms against {peer['p99_ttft_ms']:.0f} "
                          f"({'no worse' if ttft_ok else 'worse'}).")
         lines += ["", f"Prompt {cell['input_len']}, concurrency {cell['max_concurrency']}: "
-                  + (f"{', '.join(both)} met{'s' if len(both) == 1 else ''} both halves of the target."
+                  + (f"{', '.join(both)} {'meets' if len(both) == 1 else 'meet'} both halves of the target."
                      if both else "no setting meets both halves of the target in this run."), ""]
     return lines
 
