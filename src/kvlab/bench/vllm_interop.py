@@ -233,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for pair in result["pairs"]:
         v, k = pair["vllm"], pair["kvlab"]
         print(f"{pair['dataset']} {pair['endpoint']} concurrency {pair['max_concurrency']}: vllm bench serve "
-              f"{v['completed']} ok / {v['failed']} failed, {v['output_throughput']:.1f} tok/s, TTFT {v['mean_ttft_ms']:.0f} ms, TPOT {v['mean_tpot_ms']:.1f} ms; "
+              f"{v['completed']} ok / {v['failed']} failed, {v['output_throughput']:.1f} tok/s, "
+              f"TTFT {v['mean_ttft_ms']:.0f} ms, TPOT {v['mean_tpot_ms']:.1f} ms; "
               f"kvlab bench serve {k['completed']} ok / {k['failed']} failed, {k['output_throughput']:.1f} tok/s, "
               f"TTFT {k['mean_ttft_ms']:.0f} ms, TPOT {k['mean_tpot_ms']:.1f} ms; ratios "
               + ", ".join(f"{m} {r:.2f}" + ("" if m in pair["agreed"] else " (not judged)")

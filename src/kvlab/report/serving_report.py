@@ -98,6 +98,11 @@ def failure_notes(result: dict) -> list[str]:
     return lines
 
 
+def _delivered(run: dict) -> bool:
+    """Whether a run sent back DELIVERED of the tokens asked: only then are its latencies an answer's."""
+    return run["total_output_tokens"] >= DELIVERED * run["requested_output_tokens"]
+
+
 def target_lines(result: dict) -> list[str]:
     """The issue's target at concurrency 16: kvlab >= 5x the best peer, p99 TTFT and TPOT no worse than any."""
     lines = []
@@ -110,8 +115,8 @@ def target_lines(result: dict) -> list[str]:
         mine = _run(kvlab, cell)
         others = [(_run(p, cell), p["name"]) for p in result["peers"] if p["name"] != "kvlab"]
         others = [(r, n) for r, n in others if r is not None and r["completed"]]
-        cut_off = [(r, n) for r, n in others if r["total_output_tokens"] < DELIVERED * r["requested_output_tokens"]]
-        others = [(r, n) for r, n in others if (r, n) not in cut_off]
+        cut_off = [(r, n) for r, n in others if not _delivered(r)]
+        others = [(r, n) for r, n in others if _delivered(r)]
         worse = [f"{n} ({metric} {r[f'p99_{metric}_ms']:.0f} ms)" for r, n in others for metric in ("ttft", "tpot")
                  if r.get(f"p99_{metric}_ms") is not None and mine.get(f"p99_{metric}_ms") is not None
                  and mine[f"p99_{metric}_ms"] > r[f"p99_{metric}_ms"]]
@@ -137,8 +142,7 @@ def seats_lines(result: Optional[dict]) -> list[str]:
     for cell in result["cells"]:
         mine = [(p["name"], _run(p, cell)) for p in result["peers"] if p["name"].startswith("kvlab")]
         others = [(p["name"], _run(p, cell)) for p in result["peers"] if not p["name"].startswith("kvlab")]
-        others = [(n, r) for n, r in others if r is not None and r["completed"]
-                  and r["total_output_tokens"] >= DELIVERED * r["requested_output_tokens"]]
+        others = [(n, r) for n, r in others if r is not None and r["completed"] and _delivered(r)]
         if not others:
             continue
         name, peer = max(others, key=lambda item: item[1]["output_throughput"])
