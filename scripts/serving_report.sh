@@ -13,13 +13,14 @@
 #   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
 #   interop             vLLM's own `vllm bench serve` against kvlab serve, beside kvlab bench serve
 #   decode              offline decode/prefill vs batch and context (kvlab bench decode)
+#   bound               kvlab's C step costs for the target's workload, and the best any schedule of them allows
 # vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 a8 seats kv prefix spec ttft reliability interop decode"}
+PIECES=${PIECES:-"peers128 peers1024 a8 seats bound kv prefix spec ttft reliability interop decode"}
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
 SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
@@ -64,6 +65,9 @@ for piece in $PIECES; do
             --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
     decode)
         "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --rounds 2 --json "$OUT/decode_sweep.json" ;;
+    bound)
+        "${LOCK[@]}" python3 -m kvlab.bench.serving_bound --model "$MODEL" --weights gguf-a8 --kv-cache-dtype fp16 \
+            --json "$OUT/serving_bound.json" ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

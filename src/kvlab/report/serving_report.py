@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from kvlab.bench.serving_bound import best_within, prefill_needed_ms, schedule_bounds
 from kvlab.bench.vllm_interop import COMPARED
 
 TARGET_LEVEL, TARGET_RATIO = 16, 5.0
@@ -164,6 +165,75 @@ def seats_lines(result: Optional[dict]) -> list[str]:
                   + (f"{', '.join(both)} {'meets' if len(both) == 1 else 'meet'} both halves of the target."
                      if both else "no setting meets both halves of the target in this run."), ""]
     return lines
+
+
+def _seats_served(peer: dict, cell: dict) -> int:
+    """Rows a kvlab server decoded at once in a cell: its --max-num-seqs, or (the default, 64, exceeding every
+    concurrency measured) the cell's concurrency."""
+    argv = peer.get("argv") or []
+    seats = int(argv[argv.index("--max-num-seqs") + 1]) if "--max-num-seqs" in argv else None
+    return min(seats or cell["max_concurrency"], cell["max_concurrency"])
+
+
+def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
+    """The target against what kvlab's C step can do here at all (kvlab.bench.serving_bound's costs), held against
+    the seats sweep's best other server and set beside what kvlab served there."""
+    lines = ["## What the target needs on this machine", ""]
+    if costs is None:
+        return lines + ["Not measured yet: `PIECES=bound scripts/serving_report.sh`.", ""]
+    cell = seats["cells"][0] if seats else None
+    others = [(p["name"], _run(p, cell)) for p in seats["peers"] if not p["name"].startswith("kvlab")] if cell else []
+    others = [(n, r) for n, r in others if r is not None and r["completed"] and _delivered(r)]
+    if not others or cell["max_concurrency"] != costs["requests"]:
+        return lines + ["The seats sweep (`PIECES=seats`) at the same concurrency is needed to hold these costs against "
+                        "a peer.", ""]
+    name, peer = max(others, key=lambda item: item[1]["output_throughput"])
+    limit, goal = peer["p99_tpot_ms"], TARGET_RATIO * peer["output_throughput"]
+    bounds = schedule_bounds(costs, limit)
+    served = {_seats_served(p, cell): _run(p, cell) for p in seats["peers"] if p["name"].startswith("kvlab")}
+    per_token = costs["prefill_ms_per_token"]
+    lines += [f"`python -m kvlab.bench.serving_bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C step "
+              f"on the engine's own pool for the target's workload ({costs['requests']} prompts of "
+              f"{costs['input_len']} tokens, {costs['output_len']} out), measured at {_prov(costs)}: prefill "
+              f"{per_token[str(costs['requests'])]:.3f} ms per prompt token with all {costs['requests']} prompts in one "
+              f"call ({per_token['1']:.3f} with one), and the decode step below. With prompts prefilled in one call "
+              f"and sequences decoding in groups of s (`--max-num-seqs s`), every request's TPOT is the step at s "
+              f"rows and no run can be shorter than the prefill plus ceil({costs['requests']} / s) x "
+              f"{costs['output_len'] - 1} steps: the columns *at least* and *at most* are that ceiling, before "
+              f"anything the server adds per step (HTTP, sampling, detokenising; the served figures are from the "
+              f"seats sweep above). The peer is {name} of that sweep: {peer['output_throughput']:.1f} output tok/s, "
+              f"p99 TPOT {limit:.1f} ms, so the target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
+              "",
+              "| seats | C step ms | served p99 TPOT | served tok/s | run at least s | at most tok/s | x the peer | "
+              "step within its p99 TPOT |",
+              "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for b in bounds:
+        run = served.get(b["seats"])
+        served_cells = f"{run['p99_tpot_ms']:.1f} | {run['output_throughput']:.1f}" if run else "- | -"
+        lines.append(f"| {b['seats']} | {b['step_ms']:.1f} | {served_cells} | {b['duration_s']:.2f} | "
+                     f"{b['output_throughput']:.1f} | {b['output_throughput'] / peer['output_throughput']:.2f}x | "
+                     f"{'yes' if b['within_tpot'] else 'no'} |")
+    fastest = max(bounds, key=lambda b: b["output_throughput"])
+    lines += ["", _needs("Throughput alone", fastest, costs, goal, per_token)]
+    best = best_within(bounds)
+    lines.append(_needs("Both halves", best, costs, goal, per_token, limit) if best else
+                 f"- Both halves: no step here is within {limit:.1f} ms, not even one row's.")
+    return lines + [""]
+
+
+def _needs(what: str, bound: dict, costs: dict, goal: float, per_token: dict, limit: Optional[float] = None) -> str:
+    """One line: the ceiling of `bound`'s schedule against the target, and the prefill speed the target would need."""
+    measured = per_token[str(costs["requests"])]
+    needed = prefill_needed_ms(costs, bound, goal)
+    within = f" (the fastest run of those whose step is within {limit:.1f} ms)" if limit else ""
+    head = (f"- {what}: {bound['seats']} seats{within}, at most {bound['output_throughput']:.1f} tok/s, "
+            f"{'at least' if bound['output_throughput'] >= goal else 'under'} the {goal:.1f} asked")
+    if bound["output_throughput"] >= goal:
+        return head + "."
+    if needed is None:
+        return head + "; its decode steps alone take longer than the whole run may."
+    return head + (f"; it would need prefill at {needed:.3f} ms per prompt token, {measured / needed:.2f}x the "
+                   f"speed measured.")
 
 
 def variant_section(result: Optional[dict], title: str, what: str, name: str) -> list[str]:
@@ -334,6 +404,7 @@ def render(folder: Path) -> str:
                              "with TPOT, while a server that decodes one request at a time has batch 1's TPOT and "
                              "pays for it in TTFT.", "seats")
     lines += seats_lines(seats)
+    lines += bound_lines(_load(folder, "serving_bound.json"), seats)
     lines += variant_section(_load(folder, "compare_kv.json"), "KV cache formats: fp16 against fp8 and int8",
                              "`kvlab serve` three times, `--kv-cache-dtype fp16` (`kvlab`), `fp8` and `int8`, taking "
                              "turns; *kvlab / it* is fp16's throughput over the variant's.", "kv")

@@ -1,0 +1,170 @@
+"""How far the serving target can be reached on this machine: the C step's measured costs and the schedules they allow.
+
+    python -m kvlab.bench.serving_bound [--model smollm2-135m] [--weights gguf-a8] [--json PATH]
+
+The serving report's target, at concurrency 16 (16 prompts of 128 tokens, 24 tokens out each), asks for
+output throughput at least 5x the best peer's with p99 TTFT and TPOT no worse than any peer's. A serialised
+peer decodes at batch 1, so its TPOT is a one-row step's. What kvlab can do against that is set by two costs
+of its C step, measured here on the engine's own pool (interleaved, medians over repetitions):
+- prefill: milliseconds per prompt token, with the workload's prompts going through in one call (the most
+  rows per call and the cheapest per token) and one prompt per call;
+- decode: milliseconds per step at s rows, one token per sequence, at the context the workload decodes at.
+
+`schedule_bounds` turns them into the best each number of seats s can do when prompts are prefilled in one
+call and sequences decode in groups of s, as `--max-num-seqs s` runs them: every decode step then costs
+step(s), which is the TPOT of every request (a step's arithmetic only: HTTP, sampling and detokenising add to
+it when served), and the run lasts at least prefill(all prompt tokens) + ceil(requests / s) x
+(output_len - 1) x step(s), the first output token coming with the prefill. Mixing prompt rows into decode
+steps does not beat this here: a decode row costs more than a prompt row in a large call (it carries the LM
+head), and each added row lengthens the step every decoding request waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Optional
+
+DECODE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def _timed(call, iterations: int) -> float:
+    began = time.perf_counter()
+    for _ in range(iterations):
+        call()
+    return (time.perf_counter() - began) / iterations
+
+
+def measure_costs(model, tokenizer, requests: int = 16, input_len: int = 128, output_len: int = 24,
+                  kv_cache_dtype: str = "fp16", rows: tuple[int, ...] = DECODE_ROWS, repetitions: int = 5,
+                  seed: int = 0) -> dict:
+    """The C step's costs for the workload (module doc); empty where the model has no C paged step."""
+    import torch
+
+    with torch.inference_mode():
+        return _measure(model, tokenizer, requests, input_len, output_len, kv_cache_dtype, rows, repetitions, seed)
+
+
+def _measure(model, tokenizer, requests: int, input_len: int, output_len: int, kv_cache_dtype: str,
+             rows: tuple[int, ...], repetitions: int, seed: int) -> dict:
+    from kvlab.bench.throughput import random_prompts
+    from kvlab.engine import EngineConfig, LLMEngine
+
+    context = input_len + output_len
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=max(requests, *rows),
+                                                      kv_cache_dtype=kv_cache_dtype))
+    step = engine.runner.paged_step
+    if step is None:
+        return {}
+    seqs = max(requests, *rows)
+    per_seq = -(-context // engine.pool.block_size)
+    if seqs * per_seq > engine.pool.num_blocks:
+        raise ValueError(f"{seqs} sequences of {context} tokens need {seqs * per_seq} blocks; the pool has "
+                         f"{engine.pool.num_blocks}")
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
+    prompts = random_prompts(seqs, input_len, model.config.vocab_size, seed)
+    position = input_len + output_len // 2  # the middle of the workload's decode
+
+    def prefill(n: int):
+        return lambda: step.feeds(prompts[:n], [0] * n, tables[:n],
+                                  logit_rows=[input_len * (i + 1) - 1 for i in range(n)])
+
+    def decode(n: int):
+        return lambda: step.feeds([[p[0]] for p in prompts[:n]], [position] * n, tables[:n])
+
+    calls = {("prefill", n): prefill(n) for n in sorted({1, requests})}
+    calls.update({("decode", n): decode(n) for n in rows})
+    for call in calls.values():  # warm-up: the arena's growth, and every row's K/V written before it is read
+        call()
+    samples: dict = {key: [] for key in calls}
+    for _ in range(repetitions):
+        for key, call in calls.items():
+            samples[key].append(_timed(call, 1 if key[0] == "prefill" else 8))
+    ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
+    return {"requests": requests, "input_len": input_len, "output_len": output_len, "kv_cache_dtype": kv_cache_dtype,
+            "decode_position": position, "repetitions": repetitions, "seed": seed,
+            "prefill_ms_per_token": {str(n): ms[("prefill", n)] / (n * input_len) for n in sorted({1, requests})},
+            "decode_step_ms": {str(n): ms[("decode", n)] for n in rows}}
+
+
+def schedule_bounds(costs: dict, tpot_limit_ms: Optional[float] = None) -> list[dict]:
+    """Per number of seats s measured: step(s), the run's shortest duration and its output tok/s (module doc), and
+    whether step(s) is within `tpot_limit_ms` (None when no limit is given)."""
+    requests, input_len, output_len = costs["requests"], costs["input_len"], costs["output_len"]
+    prefill_s = requests * input_len * costs["prefill_ms_per_token"][str(requests)] / 1e3
+    bounds = []
+    for seats, step_ms in sorted(((int(n), ms) for n, ms in costs["decode_step_ms"].items())):
+        if seats > requests:
+            continue
+        duration = prefill_s + math.ceil(requests / seats) * (output_len - 1) * step_ms / 1e3
+        bounds.append({"seats": seats, "step_ms": step_ms, "prefill_s": prefill_s, "duration_s": duration,
+                       "output_throughput": requests * output_len / duration,
+                       "within_tpot": None if tpot_limit_ms is None else step_ms <= tpot_limit_ms})
+    return bounds
+
+
+def best_within(bounds: list[dict]) -> Optional[dict]:
+    """The fastest bound whose step is within the TPOT limit, or None if none is."""
+    fitting = [b for b in bounds if b["within_tpot"]]
+    return max(fitting, key=lambda b: b["output_throughput"]) if fitting else None
+
+
+def prefill_needed_ms(costs: dict, bound: dict, output_throughput: float) -> Optional[float]:
+    """Milliseconds per prompt token the prefill would have to reach for `bound`'s schedule to deliver
+    `output_throughput`, with its decode steps as measured; None where the decode steps alone take too long."""
+    requests, input_len, output_len = costs["requests"], costs["input_len"], costs["output_len"]
+    decode_s = bound["duration_s"] - bound["prefill_s"]
+    allowed_s = requests * output_len / output_throughput - decode_s
+    return 1e3 * allowed_s / (requests * input_len) if allowed_s > 0 else None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from kvlab.bench.provenance import provenance
+    from kvlab.engine.llm import load_for_engine
+
+    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.serving_bound", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a name, a .gguf file or a HF directory")
+    parser.add_argument("--weights", default="gguf-a8", help="as kvlab serve's --weights (default gguf-a8)")
+    parser.add_argument("--kv-cache-dtype", default="fp16")
+    parser.add_argument("--requests", type=int, default=16, help="prompts in flight (the target's concurrency)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=24)
+    parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--json", metavar="PATH", help="write the costs and bounds here, with provenance")
+    args = parser.parse_args(argv)
+    for name in ("requests", "input_len", "output_len", "repetitions"):
+        if getattr(args, name) < (2 if name == "output_len" else 1):
+            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    try:
+        model, tokenizer = load_for_engine(args.model, args.weights, threads=args.threads)
+        costs = measure_costs(model, tokenizer, args.requests, args.input_len, args.output_len, args.kv_cache_dtype,
+                              repetitions=args.repetitions, seed=args.seed)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not costs:
+        print(f"error: {args.model} with --weights {args.weights} has no C paged step to measure", file=sys.stderr)
+        return 2
+    prefill = costs["prefill_ms_per_token"]
+    print(f"prefill: {prefill[str(args.requests)]:.3f} ms per token with {args.requests} prompts of {args.input_len} "
+          f"in one call ({1e3 / prefill[str(args.requests)]:.0f} tok/s), {prefill['1']:.3f} with one")
+    for bound in schedule_bounds(costs):
+        print(f"{bound['seats']:>2} seats: step {bound['step_ms']:6.2f} ms, run at least {bound['duration_s']:.2f} s, "
+              f"at most {bound['output_throughput']:.1f} output tok/s")
+    result = {"benchmark": "serving_bound", "model": args.model, "weights": args.weights, **costs,
+              "provenance": provenance(args.threads)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
