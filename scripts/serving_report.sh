@@ -7,7 +7,8 @@
 # Pieces (each its own JSON, each under the heavy lock so timings stay honest):
 #   peers128 peers1024  kvlab vs llama.cpp (both interrupt modes), transformers and vLLM servers, one prompt length
 #   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
-#   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats vs llama.cpp's serialised server, at 16
+#   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats, and at 64 streaming in fours,
+#                       vs llama.cpp's serialised server, at 16
 #   kv                  kvlab with fp16, fp8 and int8 KV caches          prefix  prefix caching on/off, served
 #   spec                speculative decoding (ngram) on/off              ttft    engine-level prefix TTFT (prefix_ttft)
 #   reliability         1,000 streamed requests with hang-ups: nothing lost, nothing leaked
@@ -43,6 +44,7 @@ for piece in $PIECES; do
             --peer "kvlab-seats-4=$SERVE ${A8[*]} --max-num-seqs 4 --max-wait-ms 500" \
             --peer "kvlab-seats-6=$SERVE ${A8[*]} --max-num-seqs 6 --max-wait-ms 500" \
             --peer "kvlab-seats-8=$SERVE ${A8[*]} --max-num-seqs 8 --max-wait-ms 500" \
+            --peer "kvlab-stream-4=$SERVE ${A8[*]} --stream-interval 4" \
             --input-len 128 --max-concurrency 16 "${COMMON[@]}" --json "$OUT/compare_seats.json" ;;
     kv)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \

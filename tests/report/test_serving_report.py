@@ -89,7 +89,8 @@ def test_the_bound_holds_the_c_steps_ceiling_against_the_seats_sweeps_peer(tmp_p
 
     peers = [peer("kvlab", _run(16, 100.0, 2500.0, 40.0)),
              peer("llama.cpp-serial", _run(16, 20.0, 15000.0, 13.0)),
-             peer("kvlab-seats-4", _run(16, 90.0, 3000.0, 15.0), ["--max-num-seqs", "4"])]
+             peer("kvlab-seats-4", _run(16, 90.0, 3000.0, 15.0), ["--max-num-seqs", "4"]),
+             peer("kvlab-stream-4", _run(16, 104.0, 2500.0, 36.0), ["--stream-interval", "4"])]  # faster at 16
     (tmp_path / "compare_seats.json").write_text(json.dumps(_compare(peers)))
     assert "Not measured yet: `PIECES=bound scripts/serving_report.sh`." in render(tmp_path)
     costs = {"benchmark": "serving_bound", "weights": "gguf-a8", "requests": 16, "input_len": 128, "output_len": 24,
@@ -98,9 +99,9 @@ def test_the_bound_holds_the_c_steps_ceiling_against_the_seats_sweeps_peer(tmp_p
     (tmp_path / "serving_bound.json").write_text(json.dumps(costs))
     page = render(tmp_path)
     assert "so the target asks for 100.0 tok/s with steps within 13.0 ms." in page
-    assert "| 4 | 12.0 | 15.0 | 90.0 | 3.66 | 104.8 | 5.24x | yes |" in page  # 2.56 s + 4 x 23 x 12 ms
-    assert "| 16 | 32.0 | 40.0 | 100.0 | 3.30 | 116.5 | 5.83x | no |" in page  # the default seats: all 16 rows
-    assert "| 1 | 8.0 | - | - |" in page  # not served in the sweep
+    assert "| 4 | 12.0 | kvlab-seats-4 | 15.0 | 90.0 | 3.66 | 104.8 | 5.24x | yes |" in page  # 2.56 s + 4 x 23 x 12 ms
+    assert "| 16 | 32.0 | kvlab-stream-4 | 36.0 | 104.0 | 3.30 | 116.5 | 5.83x | no |" in page  # the default seats: all 16 rows
+    assert "| 1 | 8.0 | - | - | - |" in page  # not served in the sweep
     assert "- Throughput alone: 16 seats, at most 116.5 tok/s, at least the 100.0 asked." in page
     assert "- Both halves: 4 seats (the fastest run of those whose step is within 13.0 ms), at most 104.8" in page
     costs["decode_step_ms"] = {"1": 14.0, "16": 40.0}
