@@ -206,7 +206,9 @@ def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
               f"and sequences decoding in groups of s (`--max-num-seqs s`), every request's TPOT is the step at s "
               f"rows and no run can be shorter than the prefill plus ceil({costs['requests']} / s) x "
               f"{costs['output_len'] - 1} steps: the columns *at least* and *at most* are that ceiling, before "
-              f"anything the server adds per step (HTTP, sampling, detokenising; the served figures are from the "
+              f"anything the server adds per step (HTTP, sampling, detokenising), and each cost is the fastest of "
+              f"{costs['repetitions']} interleaved repetitions, the figure most favourable to the target: this shared "
+              f"machine's speed drifts from minute to minute by more than the gaps below (the served figures are from the "
               f"seats sweep above, the fastest of its servers at each seat count). The peer is {name} of that sweep: {peer['output_throughput']:.1f} output tok/s, "
               f"p99 TPOT {limit:.1f} ms, so the target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
               "",
