@@ -185,8 +185,8 @@ def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
     others = [(p["name"], _run(p, cell)) for p in seats["peers"] if not p["name"].startswith("kvlab")] if cell else []
     others = [(n, r) for n, r in others if r is not None and r["completed"] and _delivered(r)]
     if not others or cell["max_concurrency"] != costs["requests"]:
-        return lines + ["The seats sweep (`PIECES=seats`) at the same concurrency is needed to hold these costs against "
-                        "a peer.", ""]
+        return lines + ["The seats sweep (`PIECES=seats`) at the same concurrency is needed to hold these costs "
+                        "against a peer.", ""]
     name, peer = max(others, key=lambda item: item[1]["output_throughput"])
     limit, goal = peer["p99_tpot_ms"], TARGET_RATIO * peer["output_throughput"]
     bounds = schedule_bounds(costs, limit)
@@ -198,19 +198,21 @@ def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
             if seats_of not in served or run["output_throughput"] > served[seats_of][1]["output_throughput"]:
                 served[seats_of] = (p["name"], run)
     per_token = costs["prefill_ms_per_token"]
-    lines += [f"`python -m kvlab.bench.serving_bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C step "
-              f"on the engine's own pool for the target's workload ({costs['requests']} prompts of "
+    lines += [f"`python -m kvlab.bench.serving_bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C "
+              f"step on the engine's own pool for the target's workload ({costs['requests']} prompts of "
               f"{costs['input_len']} tokens, {costs['output_len']} out), measured at {_prov(costs)}: prefill "
-              f"{per_token[str(costs['requests'])]:.3f} ms per prompt token with all {costs['requests']} prompts in one "
-              f"call ({per_token['1']:.3f} with one), and the decode step below. With prompts prefilled in one call "
-              f"and sequences decoding in groups of s (`--max-num-seqs s`), every request's TPOT is the step at s "
-              f"rows and no run can be shorter than the prefill plus ceil({costs['requests']} / s) x "
-              f"{costs['output_len'] - 1} steps: the columns *at least* and *at most* are that ceiling, before "
-              f"anything the server adds per step (HTTP, sampling, detokenising), and each cost is the fastest of "
-              f"{costs['repetitions']} interleaved repetitions, the figure most favourable to the target: this shared "
-              f"machine's speed drifts from minute to minute by more than the gaps below (the served figures are from the "
-              f"seats sweep above, the fastest of its servers at each seat count). The peer is {name} of that sweep: {peer['output_throughput']:.1f} output tok/s, "
-              f"p99 TPOT {limit:.1f} ms, so the target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
+              f"{per_token[str(costs['requests'])]:.3f} ms per prompt token with all {costs['requests']} prompts in "
+              f"one call ({per_token['1']:.3f} with one), and the decode steps below. Each cost is the fastest of "
+              f"{costs['repetitions']} interleaved repetitions, the figure most favourable to the target (this "
+              f"shared machine's speed drifts from minute to minute by more than the gaps below).",
+              "",
+              f"With prompts prefilled in one call and sequences decoding in groups of s (`--max-num-seqs s`), every "
+              f"request's TPOT is the step at s rows, and no run can be shorter than the prefill plus "
+              f"ceil({costs['requests']} / s) x {costs['output_len'] - 1} steps. The columns *run at least* and *at "
+              f"most* are that ceiling, before anything the server adds per step (HTTP, sampling, detokenising). The "
+              f"served columns are the seats sweep's above (its fastest server at each seat count), and the peer is "
+              f"its {name}: {peer['output_throughput']:.1f} output tok/s at a p99 TPOT of {limit:.1f} ms, so the "
+              f"target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
               "",
               "| seats | C step ms | served by | served p99 TPOT | served tok/s | run at least s | at most tok/s | "
               "x the peer | step within its p99 TPOT |",

@@ -103,8 +103,8 @@ class AsyncEngine:
         for d in deltas:
             held = self.held.pop(d.request_id, None)
             if held is not None:
-                d = StepDelta(d.request_id, held.token_ids + d.token_ids, held.text + d.text, held.logprobs + d.logprobs,
-                              d.finished, d.finish_reason, d.error)
+                d = StepDelta(d.request_id, held.token_ids + d.token_ids, held.text + d.text,
+                              held.logprobs + d.logprobs, d.finished, d.finish_reason, d.error)
             first = d.request_id not in self.started
             if d.finished or first or len(d.token_ids) >= self.stream_interval:
                 ready.append(d)
