@@ -100,7 +100,7 @@ def test_the_bound_holds_the_c_steps_ceiling_against_the_seats_sweeps_peer(tmp_p
     (tmp_path / "serving_bound.json").write_text(json.dumps(costs))
     page = render(tmp_path)
     assert "so the target asks for 100.0 tok/s with steps within 13.0 ms." in page
-    assert "each cost is the fastest of 5 interleaved repetitions" in page
+    assert "Each cost is the fastest of 5 interleaved repetitions" in page
     assert "| 4 | 12.0 | kvlab-seats-4 | 15.0 | 90.0 | 3.66 | 104.8 | 5.24x | yes |" in page  # 2.56 s + 4 x 23 x 12 ms
     # the default seats: all 16 rows
     assert "| 16 | 32.0 | kvlab-stream-4 | 36.0 | 104.0 | 3.30 | 116.5 | 5.83x | no |" in page
