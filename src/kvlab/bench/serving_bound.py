@@ -26,17 +26,9 @@ import argparse
 import json
 import math
 import sys
-import time
 from typing import Optional
 
 DECODE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-
-
-def _timed(call, iterations: int) -> float:
-    began = time.perf_counter()
-    for _ in range(iterations):
-        call()
-    return (time.perf_counter() - began) / iterations
 
 
 def measure_costs(model, tokenizer, requests: int = 16, input_len: int = 128, output_len: int = 24,
@@ -45,8 +37,21 @@ def measure_costs(model, tokenizer, requests: int = 16, input_len: int = 128, ou
     """The C step's costs for the workload (module doc); empty where the model has no C paged step."""
     import torch
 
+    from kvlab.bench.spec_costs import timed  # imports torch: here, not for the report's pure arithmetic
+
     with torch.inference_mode():
-        return _measure(model, tokenizer, requests, input_len, output_len, kv_cache_dtype, rows, repetitions, seed)
+        engine, calls = workload_steps(model, tokenizer, requests, input_len, output_len, kv_cache_dtype, rows, seed)
+        if engine is None:
+            return {}
+        samples: dict = {key: [] for key in calls}
+        for _ in range(repetitions):
+            for key, call in calls.items():
+                samples[key].append(timed(call, 1 if key[0] == "prefill" else 8))
+    ms = {key: 1e3 * min(values) for key, values in samples.items()}
+    return {"requests": requests, "input_len": input_len, "output_len": output_len, "kv_cache_dtype": kv_cache_dtype,
+            "decode_position": input_len + output_len // 2, "repetitions": repetitions, "seed": seed,
+            "prefill_ms_per_token": {str(n): ms[("prefill", n)] / (n * input_len) for n in sorted({1, requests})},
+            "decode_step_ms": {str(n): ms[("decode", n)] for n in rows}}
 
 
 def workload_steps(model, tokenizer, requests: int, input_len: int, output_len: int, kv_cache_dtype: str,
@@ -85,22 +90,6 @@ def workload_steps(model, tokenizer, requests: int, input_len: int, output_len: 
     for call in calls.values():  # warm-up: the arena's growth, and every row's K/V written before it is read
         call()
     return engine, calls
-
-
-def _measure(model, tokenizer, requests: int, input_len: int, output_len: int, kv_cache_dtype: str,
-             rows: tuple[int, ...], repetitions: int, seed: int) -> dict:
-    engine, calls = workload_steps(model, tokenizer, requests, input_len, output_len, kv_cache_dtype, rows, seed)
-    if engine is None:
-        return {}
-    samples: dict = {key: [] for key in calls}
-    for _ in range(repetitions):
-        for key, call in calls.items():
-            samples[key].append(_timed(call, 1 if key[0] == "prefill" else 8))
-    ms = {key: 1e3 * min(values) for key, values in samples.items()}
-    return {"requests": requests, "input_len": input_len, "output_len": output_len, "kv_cache_dtype": kv_cache_dtype,
-            "decode_position": input_len + output_len // 2, "repetitions": repetitions, "seed": seed,
-            "prefill_ms_per_token": {str(n): ms[("prefill", n)] / (n * input_len) for n in sorted({1, requests})},
-            "decode_step_ms": {str(n): ms[("decode", n)] for n in rows}}
 
 
 def schedule_bounds(costs: dict, tpot_limit_ms: Optional[float] = None) -> list[dict]:

@@ -25,7 +25,8 @@ import torch
 MAX_ROWS = 7  # verifications of up to k = 6 drafts, as the benchmark's sweep
 
 
-def _timed(call, iterations: int) -> float:
+def timed(call, iterations: int) -> float:
+    """Seconds per call of `call`, over `iterations` calls in a row."""
     began = time.perf_counter()
     for _ in range(iterations):
         call()
@@ -68,7 +69,7 @@ def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: in
     samples: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(repetitions):
         for key, call in calls.items():
-            samples[key].append(_timed(call, iterations))
+            samples[key].append(timed(call, iterations))
     ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
     plain = ms["verify:1"]
     return {"context": context, "repetitions": repetitions, "iterations": iterations, "plain_step_ms": plain,
