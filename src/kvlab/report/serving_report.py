@@ -17,14 +17,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from kvlab.bench.serving_bound import best_within, prefill_needed_ms, schedule_bounds
 from kvlab.bench.vllm_interop import COMPARED
-
-TARGET_LEVEL, TARGET_RATIO = 16, 5.0
-# A peer's latencies are held against kvlab's only where it sent back at least this share of the tokens asked:
-# llama.cpp's default server cancels the streaming request when the next arrives, and its TPOT is then
-# timed over the few tokens each request got before it was cut off, not over an answer.
-DELIVERED = 0.9
+from kvlab.report.serving_cells import provenance_text, run_of
+from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
 
 
 def _load(folder: Path, name: str) -> Optional[dict]:
@@ -36,22 +31,8 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
 
 
-def _prov(result: dict) -> str:
-    prov = result["provenance"]
-    commit = (prov.get("git_commit") or "unknown")[:7]
-    dirty = prov.get("git_dirty_files") or []
-    edited = f" with {', '.join(dirty)} edited" if dirty else ""
-    return (f"commit {commit}{edited}, {prov['time_utc']}, {prov['machine']['cpu']} ({prov['machine']['cores']} "
-            f"cores, {prov['machine']['torch_threads']} threads)")
-
-
 def _partial(result: dict) -> str:
     return " The run was interrupted: only the cells below were measured." if result.get("interrupted") else ""
-
-
-def _run(peer: dict, cell: dict) -> Optional[dict]:
-    return next((r for r in peer.get("runs", []) if r.get("input_len") == cell["input_len"]
-                 and r["max_concurrency"] == cell["max_concurrency"]), None)
 
 
 def compare_table(result: dict) -> list[str]:
@@ -61,7 +42,7 @@ def compare_table(result: dict) -> list[str]:
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for cell in result["cells"]:
         for peer in result["peers"]:
-            run = _run(peer, cell)
+            run = run_of(peer, cell)
             if run is None:
                 continue
             ratio = cell["kvlab_over_peer"].get(peer["name"])
@@ -99,158 +80,11 @@ def failure_notes(result: dict) -> list[str]:
     return lines
 
 
-def _delivered(run: dict) -> bool:
-    """Whether a run sent back DELIVERED of the tokens asked: only then are its latencies an answer's."""
-    return run["total_output_tokens"] >= DELIVERED * run["requested_output_tokens"]
-
-
-def target_lines(result: dict) -> list[str]:
-    """The issue's target at concurrency 16: kvlab >= 5x the best peer, p99 TTFT and TPOT no worse than any."""
-    lines = []
-    kvlab = next((p for p in result["peers"] if p["name"] == "kvlab" and p["status"] == "ran"), None)
-    for cell in result["cells"]:
-        if cell["max_concurrency"] != TARGET_LEVEL or kvlab is None or not cell["best_peer"]:
-            continue
-        best = cell["best_peer"]
-        ratio = cell["kvlab_over_peer"].get(best["name"])
-        mine = _run(kvlab, cell)
-        others = [(_run(p, cell), p["name"]) for p in result["peers"] if p["name"] != "kvlab"]
-        others = [(r, n) for r, n in others if r is not None and r["completed"]]
-        cut_off = [(r, n) for r, n in others if not _delivered(r)]
-        others = [(r, n) for r, n in others if _delivered(r)]
-        worse = [f"{n} ({metric} {r[f'p99_{metric}_ms']:.0f} ms)" for r, n in others for metric in ("ttft", "tpot")
-                 if r.get(f"p99_{metric}_ms") is not None and mine.get(f"p99_{metric}_ms") is not None
-                 and mine[f"p99_{metric}_ms"] > r[f"p99_{metric}_ms"]]
-        verdict = "met" if ratio is not None and ratio >= TARGET_RATIO else "NOT met"
-        lines.append(f"- prompt {cell['input_len']}, concurrency {TARGET_LEVEL}: kvlab {mine['output_throughput']:.1f} "
-                     f"output tok/s, **{ratio:.2f}x** the best peer ({best['name']}, "
-                     f"{best['output_throughput']:.1f} tok/s): the {TARGET_RATIO:g}x target is {verdict}. kvlab's p99 "
-                     f"TTFT {mine['p99_ttft_ms']:.0f} ms, p99 TPOT {mine['p99_tpot_ms']:.1f} ms: "
-                     + ("no worse than any peer's" if not worse else "worse than " + ", ".join(worse))
-                     + ("" if not cut_off else " (latencies not compared for " + ", ".join(
-                         f"{n}, which sent back {r['total_output_tokens']} of {r['requested_output_tokens']} tokens"
-                         for r, n in cut_off) + ")") + ".")
-    return lines
-
-
-def seats_lines(result: Optional[dict]) -> list[str]:
-    """Each kvlab setting of the seats sweep against the best other server: is it 5x, and are its p99 TTFT and
-    TPOT no worse? Throughput asks for many rows per step, a serial server's TPOT for few: this shows where
-    the two halves of the target meet, if they do."""
-    if result is None:
-        return []
-    lines = []
-    for cell in result["cells"]:
-        mine = [(p["name"], _run(p, cell)) for p in result["peers"] if p["name"].startswith("kvlab")]
-        others = [(p["name"], _run(p, cell)) for p in result["peers"] if not p["name"].startswith("kvlab")]
-        others = [(n, r) for n, r in others if r is not None and r["completed"] and _delivered(r)]
-        if not others:
-            continue
-        name, peer = max(others, key=lambda item: item[1]["output_throughput"])
-        both = []
-        for label, run in mine:
-            if run is None or not run["completed"]:
-                continue
-            ratio = run["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else None
-            fast = ratio is not None and ratio >= TARGET_RATIO
-            tpot_ok, ttft_ok = (run[f"p99_{m}_ms"] <= peer[f"p99_{m}_ms"] for m in ("tpot", "ttft"))
-            if fast and tpot_ok and ttft_ok:
-                both.append(label)
-            lines.append(f"- {label}: {run['output_throughput']:.1f} tok/s, {ratio:.2f}x {name} "
-                         f"({'at least' if fast else 'under'} {TARGET_RATIO:g}x); p99 TPOT {run['p99_tpot_ms']:.1f} ms "
-                         f"against {peer['p99_tpot_ms']:.1f} ({'no worse' if tpot_ok else 'worse'}), p99 TTFT "
-                         f"{run['p99_ttft_ms']:.0f} ms against {peer['p99_ttft_ms']:.0f} "
-                         f"({'no worse' if ttft_ok else 'worse'}).")
-        lines += ["", f"Prompt {cell['input_len']}, concurrency {cell['max_concurrency']}: "
-                  + (f"{', '.join(both)} {'meets' if len(both) == 1 else 'meet'} both halves of the target."
-                     if both else "no setting meets both halves of the target in this run."), ""]
-    return lines
-
-
-def _seats_served(peer: dict, cell: dict) -> int:
-    """Rows a kvlab server decoded at once in a cell: its --max-num-seqs, or (the default, 64, exceeding every
-    concurrency measured) the cell's concurrency."""
-    argv = peer.get("argv") or []
-    seats = int(argv[argv.index("--max-num-seqs") + 1]) if "--max-num-seqs" in argv else None
-    return min(seats or cell["max_concurrency"], cell["max_concurrency"])
-
-
-def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
-    """The target against what kvlab's C step can do here at all (kvlab.bench.serving_bound's costs), held against
-    the seats sweep's best other server and set beside what kvlab served there."""
-    lines = ["## What the target needs on this machine", ""]
-    if costs is None:
-        return lines + ["Not measured yet: `PIECES=bound scripts/serving_report.sh`.", ""]
-    cell = seats["cells"][0] if seats else None
-    others = [(p["name"], _run(p, cell)) for p in seats["peers"] if not p["name"].startswith("kvlab")] if cell else []
-    others = [(n, r) for n, r in others if r is not None and r["completed"] and _delivered(r)]
-    if not others or cell["max_concurrency"] != costs["requests"]:
-        return lines + ["The seats sweep (`PIECES=seats`) at the same concurrency is needed to hold these costs "
-                        "against a peer.", ""]
-    name, peer = max(others, key=lambda item: item[1]["output_throughput"])
-    limit, goal = peer["p99_tpot_ms"], TARGET_RATIO * peer["output_throughput"]
-    bounds = schedule_bounds(costs, limit)
-    served: dict[int, tuple[str, dict]] = {}  # seats -> the fastest kvlab server of the sweep that decoded that many
-    for p in seats["peers"]:
-        run = _run(p, cell)
-        if p["name"].startswith("kvlab") and run is not None and run["completed"]:
-            seats_of = _seats_served(p, cell)
-            if seats_of not in served or run["output_throughput"] > served[seats_of][1]["output_throughput"]:
-                served[seats_of] = (p["name"], run)
-    per_token = costs["prefill_ms_per_token"]
-    lines += [f"`python -m kvlab.bench.serving_bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C "
-              f"step on the engine's own pool for the target's workload ({costs['requests']} prompts of "
-              f"{costs['input_len']} tokens, {costs['output_len']} out), measured at {_prov(costs)}: prefill "
-              f"{per_token[str(costs['requests'])]:.3f} ms per prompt token with all {costs['requests']} prompts in "
-              f"one call ({per_token['1']:.3f} with one), and the decode steps below. Each cost is the fastest of "
-              f"{costs['repetitions']} interleaved repetitions, the figure most favourable to the target (this "
-              f"shared machine's speed drifts from minute to minute by more than the gaps below).",
-              "",
-              f"With prompts prefilled in one call and sequences decoding in groups of s (`--max-num-seqs s`), every "
-              f"request's TPOT is the step at s rows, and no run can be shorter than the prefill plus "
-              f"ceil({costs['requests']} / s) x {costs['output_len'] - 1} steps. The columns *run at least* and *at "
-              f"most* are that ceiling, before anything the server adds per step (HTTP, sampling, detokenising). The "
-              f"served columns are the seats sweep's above (its fastest server at each seat count), and the peer is "
-              f"its {name}: {peer['output_throughput']:.1f} output tok/s at a p99 TPOT of {limit:.1f} ms, so the "
-              f"target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
-              "",
-              "| seats | C step ms | served by | served p99 TPOT | served tok/s | run at least s | at most tok/s | "
-              "x the peer | step within its p99 TPOT |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
-    for b in bounds:
-        label, run = served.get(b["seats"], ("-", None))
-        served_cells = f"{label} | {run['p99_tpot_ms']:.1f} | {run['output_throughput']:.1f}" if run else "- | - | -"
-        lines.append(f"| {b['seats']} | {b['step_ms']:.1f} | {served_cells} | {b['duration_s']:.2f} | "
-                     f"{b['output_throughput']:.1f} | {b['output_throughput'] / peer['output_throughput']:.2f}x | "
-                     f"{'yes' if b['within_tpot'] else 'no'} |")
-    fastest = max(bounds, key=lambda b: b["output_throughput"])
-    lines += ["", _needs("Throughput alone", fastest, costs, goal, per_token)]
-    best = best_within(bounds)
-    lines.append(_needs("Both halves", best, costs, goal, per_token, limit) if best else
-                 f"- Both halves: no step here is within {limit:.1f} ms, not even one row's.")
-    return lines + [""]
-
-
-def _needs(what: str, bound: dict, costs: dict, goal: float, per_token: dict, limit: Optional[float] = None) -> str:
-    """One line: the ceiling of `bound`'s schedule against the target, and the prefill speed the target would need."""
-    measured = per_token[str(costs["requests"])]
-    needed = prefill_needed_ms(costs, bound, goal)
-    within = f" (the fastest run of those whose step is within {limit:.1f} ms)" if limit else ""
-    head = (f"- {what}: {bound['seats']} seats{within}, at most {bound['output_throughput']:.1f} tok/s, "
-            f"{'at least' if bound['output_throughput'] >= goal else 'under'} the {goal:.1f} asked")
-    if bound["output_throughput"] >= goal:
-        return head + "."
-    if needed is None:
-        return head + "; its decode steps alone take longer than the whole run may."
-    return head + (f"; it would need prefill at {needed:.3f} ms per prompt token, {measured / needed:.2f}x the "
-                   f"speed measured.")
-
-
 def variant_section(result: Optional[dict], title: str, what: str, name: str) -> list[str]:
     lines = [f"## {title}", ""]
     if result is None:
         return lines + [f"Not measured yet: `PIECES={name} scripts/serving_report.sh`.", ""]
-    return lines + [what, "", f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+    return lines + [what, "", f"Measured at {provenance_text(result)}.{_partial(result)}", "", *compare_table(result), "",
                     *peers_notes(result), *failure_notes(result),
                     ""]
 
@@ -260,12 +94,12 @@ def prefix_lines(served: Optional[dict], engine: Optional[dict]) -> list[str]:
     if served is not None:
         lines += ["Served: vLLM's prefix-repetition workload (one 512-token prefix, 16-token suffixes) against "
                   "`kvlab serve` with prefix caching on (`kvlab`) and off (`--no-enable-prefix-caching`), the two "
-                  f"servers taking turns. Measured at {_prov(served)}.", "", *compare_table(served), ""]
+                  f"servers taking turns. Measured at {provenance_text(served)}.", "", *compare_table(served), ""]
         on = next(p for p in served["peers"] if p["name"] == "kvlab")
         off = next((p for p in served["peers"] if p["name"] == "kvlab-no-prefix-cache" and p["status"] == "ran"),
                    None)
         for cell in served["cells"] if off else []:
-            a, b = _run(on, cell), _run(off, cell)
+            a, b = run_of(on, cell), run_of(off, cell)
             if a and b and a.get("mean_ttft_ms") and b.get("mean_ttft_ms"):
                 lines.append(f"- concurrency {cell['max_concurrency']}: mean TTFT {b['mean_ttft_ms']:.0f} ms without "
                              f"the prefix cache, {a['mean_ttft_ms']:.0f} ms with it: **"
@@ -278,7 +112,7 @@ def prefix_lines(served: Optional[dict], engine: Optional[dict]) -> list[str]:
                   f"prefix, {engine['suffix_tokens']}-token suffixes, median of requests 2..{engine['requests']}): "
                   f"{1000 * med['prefix_caching']:.0f} ms with prefix caching against "
                   f"{1000 * med['no_prefix_caching']:.0f} ms without, **{engine['speedup']:.1f}x** "
-                  f"({_prov(engine)}).", ""]
+                  f"({provenance_text(engine)}).", ""]
     if served is None and engine is None:
         lines += ["Not measured yet: `PIECES=\"prefix ttft\" scripts/serving_report.sh`.", ""]
     return lines
@@ -292,7 +126,7 @@ def reliability_lines(r: Optional[dict]) -> list[str]:
     return lines + [
         f"kvlab.bench.reliability_figures: one `kvlab serve {r['model']}` process, a warm-up load, then "
         f"{r['requests_sent']:,} streamed requests at concurrency {r['max_concurrency']} with random short lengths, "
-        f"{100 * r['disconnect_fraction']:.0f}% of the clients hanging up mid-stream ({_prov(r)}). "
+        f"{100 * r['disconnect_fraction']:.0f}% of the clients hanging up mid-stream ({provenance_text(r)}). "
         "tests/reliability asserts the same in CI on stories260K.", "",
         "| requests sent | completed | cancelled by the client | failed | lost | HTTP statuses | "
         "running / waiting after | KV pool used after | RSS after warm-up | RSS after the load |",
@@ -314,7 +148,7 @@ def interop_lines(r: Optional[dict]) -> list[str]:
                         "reports/serving/vllm_interop.json` (needs the vLLM venv).", ""]
     lines += [f"`python -m kvlab.bench.vllm_interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
               f"serve` on the same workload and seed against one `kvlab serve {r['model']}`, {r['num_prompts']} "
-              f"requests of {r['output_len']} tokens at each concurrency ({_prov(r)}). Served one at a time, every "
+              f"requests of {r['output_len']} tokens at each concurrency ({provenance_text(r)}). Served one at a time, every "
               "ratio is judged; under load only output tok/s is, and the TTFT/TPOT ratios (in parentheses) show how "
               "differently the two closed loops happened to batch their requests (kvlab.bench.vllm_interop says why).",
               "", "| dataset | endpoint | conc. | vLLM client ok / failed | kvlab client ok / failed | tokens (vLLM, kvlab) | "
@@ -347,7 +181,7 @@ def decode_lines(d: Optional[dict]) -> list[str]:
     lines += [f"`kvlab bench decode {d['model']} --rounds {rounds}`: greedy, {d['new_tokens']} new tokens per "
               f"sequence, {turns}; decode as a ratio to kvlab and as a fraction of kvlab.plan's bandwidth roofline "
               f"(weights kvlab reads, {d['weight_bytes_read_per_step'] / 2**20:.0f} MiB a step, plus the KV "
-              f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {_prov(d)}.", "",
+              f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {provenance_text(d)}.", "",
               "| batch | context | roofline tok/s | " + " | ".join(f"{e} decode tok/s" for e in engines) + " | "
               + " | ".join(f"{e} prefill tok/s" for e in engines) + " |",
               "|" + "---:|" * (3 + 2 * len(engines))]
@@ -394,7 +228,7 @@ def render(folder: Path) -> str:
         if result is None:
             lines += [f"Not measured yet: `PIECES=peers{length} scripts/serving_report.sh`.", ""]
             continue
-        lines += [f"Measured at {_prov(result)}.{_partial(result)}", "", *compare_table(result), "",
+        lines += [f"Measured at {provenance_text(result)}.{_partial(result)}", "", *compare_table(result), "",
                   *peers_notes(result), *failure_notes(result), "",
                   *target_lines(result), ""]
     a8 = _load(folder, "compare_a8.json")
