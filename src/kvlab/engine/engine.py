@@ -96,10 +96,6 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.clock = clock
         mc = model.config
-        if any(mc.windows):
-            raise RequestError(f"{mc.name} has sliding-window layers, which kvlab's engine does not serve yet: its "
-                               "pool keeps every layer's blocks, where vLLM frees the blocks a sliding layer no "
-                               "longer sees; run it with `kvlab generate` or `kvlab eval`, or serve it with vLLM")
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         if config.max_model_len and config.max_model_len > mc.max_seq_len:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
@@ -131,16 +127,16 @@ class LLMEngine:
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
                                f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
-        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype)
+        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
+                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens)
         draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
             if draft is not None else None
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.pool.groups)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.max_wait_ms, lookahead,
-                                                   config.kv_window, config.sink_tokens), self.blocks)
+                                                   self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.fused and not windowed:  # the C step reads whole block tables; released blocks need the module path
+        if config.fused:
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
@@ -149,7 +145,7 @@ class LLMEngine:
                 draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
                 draft = packed if draft_step is not None else draft
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len, draft_step, config.kv_window, config.sink_tokens)
+                                  self.max_model_len, draft_step)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
@@ -239,8 +235,7 @@ class LLMEngine:
             self.blocks.commit_full_blocks(seq)
             if self.speculative is not None:
                 self.blocks.trim(seq)
-            if self.config.kv_window is not None:
-                self.blocks.release_outside_window(seq, self.config.kv_window, self.config.sink_tokens)
+            self.blocks.release_outside_window(seq)  # windowed groups hand back what left their window
             delta = None
             for draw in draws:
                 piece = self._append(seq, draw, done)

@@ -55,10 +55,8 @@ C_PROMPT_CONTEXT = 2048
 class ModelRunner:
     def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
                  speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
-                 max_model_len: Optional[int] = None, draft_step=None, kv_window: Optional[int] = None,
-                 sink_tokens: int = 0) -> None:
+                 max_model_len: Optional[int] = None, draft_step=None) -> None:
         self.model, self.pool = model, pool
-        self.kv_window, self.sink_tokens = kv_window, sink_tokens  # the sinks + window policy, read by attention
         self.generator = torch.Generator().manual_seed(seed)
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
         fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
@@ -92,8 +90,9 @@ class ModelRunner:
                  seq.all_ids[seq.num_computed:seq.num_computed + n]
                  for seq, n, dec, d in zip(seqs, step.num_tokens, decoding, drafts)]
         lens = [len(f) for f in feeds]
-        batch = StepBatch.build([seq.num_computed for seq in seqs], lens, [seq.block_table for seq in seqs],
-                                self.pool.block_size, self.kv_window, self.sink_tokens)
+        batch = StepBatch.build([seq.num_computed for seq in seqs], lens, block_size=self.pool.block_size,
+                                group_tables=[[seq.block_tables[g] for seq in seqs]
+                                              for g in range(len(self.pool.groups))])
         ends = torch.tensor(lens).cumsum(0)
         if self.paged_step is not None and batch.is_decode:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)

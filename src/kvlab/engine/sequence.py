@@ -37,7 +37,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (kvlab.cache.kv_groups)
     num_computed: int = 0
     draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)
@@ -53,6 +53,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table: every block of a model whose layers form one group."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def all_ids(self) -> list[int]:

@@ -127,8 +127,6 @@ class Decoder(nn.Module):
         speculative verification needs every drafted position). `num_layers` stops after that
         many blocks, then applies the final norm and LM head: the self-draft of speculative decoding.
         """
-        if step is not None and self.config.attention == "mla":
-            raise PlanError("MLA models do not run on the paged pool yet")
         start = cache.seq_len(0) if cache is not None and step is None else 0
         x = self.embed(tokens)
         if self.config.embed_scale != 1.0:

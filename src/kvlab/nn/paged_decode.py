@@ -67,6 +67,8 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     config = model.config
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
+    if len(pool.groups) != 1 or pool.groups[0].windowed:
+        return "the C step reads one full-attention KV group (no windows, no released blocks)"
     if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
             (config.n_layers, config.kv_heads, config.head_size, config.head_size):
         return "the pool was not built for this model's layers, KV heads and head dim"

@@ -57,6 +57,7 @@ class KVGroup:
     block_size: int
     page_bytes: int
     layers: int
+    layer_ids: tuple[int, ...] = ()  # the model's layers in this group, in order (padding not counted)
 
     def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Blocks one request of `max_model_len` tokens can need at once (vLLM's max_memory_usage_bytes)."""
@@ -97,28 +98,29 @@ def kv_groups(spec: ModelSpec, formats: CacheFormats, block_size: int, tensor_pa
     if spec.has_state:
         raise PlanError("--engine vllm does not model linear-attention or state-space layers (vLLM aligns their "
                         "state pages with attention blocks); use --engine kvlab")
-    layers = [(_layer_key(layer) if hybrid else ("full", None),
+    layers = [(index, _layer_key(layer) if hybrid else ("full", None),
                block_size * layer_kv_bytes(layer, 1, formats, tensor_parallel))
-              for layer in spec.layers if not layer.kv_shared]  # KV-sharing layers get no cache of their own
-    keys = {key for key, _ in layers}
+              for index, layer in enumerate(spec.layers) if not layer.kv_shared]  # KV-sharing layers hold no cache
+    keys = {key for _, key, _ in layers}
     if len(keys) == 1:  # one kind everywhere: one group, a block is every layer's page
         (kind, window), = keys
-        return [KVGroup(kind, window, block_size, sum(page for _, page in layers), len(layers))]
-    largest = max(page for _, page in layers)
-    kinds: dict[tuple[str, Optional[int], int], int] = {}
-    for (kind, window), page in layers:
+        return [KVGroup(kind, window, block_size, sum(page for _, _, page in layers), len(layers),
+                        tuple(index for index, _, _ in layers))]
+    largest = max(page for _, _, page in layers)
+    kinds: dict[tuple[str, Optional[int], int], list[int]] = {}
+    for index, (kind, window), page in layers:
         if largest % page:
             raise PlanError(f"vLLM cannot unify page sizes of {page:,} and {largest:,} bytes "
                             "(the largest must be a multiple of each); no vLLM capacity for this model")
-        key = (kind, window, block_size * (largest // page))
-        kinds[key] = kinds.get(key, 0) + 1
-    counts = kinds.values()
+        kinds.setdefault((kind, window, block_size * (largest // page)), []).append(index)
+    counts = [len(members) for members in kinds.values()]
     group_size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
     groups = []
-    for (kind, window, tokens_per_block), count in kinds.items():
-        for index in range(_cdiv(count, group_size)):
-            members = len(range(index, count, _cdiv(count, group_size)))  # layers[i::num_groups], as vLLM splits
-            groups.append(KVGroup(kind, window, tokens_per_block, largest, members))
+    for (kind, window, tokens_per_block), members in kinds.items():
+        num_groups = _cdiv(len(members), group_size)
+        for index in range(num_groups):
+            ids = tuple(members[index::num_groups])  # vLLM splits a kind's layers as layers[i::num_groups]
+            groups.append(KVGroup(kind, window, tokens_per_block, largest, len(ids), ids))
     return groups
 
 
