@@ -148,3 +148,41 @@ def test_pool_bytes_and_start_up_lines_are_the_plans(make, kv_cache_dtype):
     assert eng.pool.nbytes() == plan["num_gpu_blocks"] * plan["block_bytes_all_layers"]
     groups = kv_groups(model.config.to_plan_spec(), cache_formats("fp16"), BLOCK)
     assert [group.layers for group in eng.pool.groups] == [group.layer_ids for group in groups]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["kivi4", "kivi2"])
+def test_kivi_pool_equals_the_lab_kivi_cache(stories_model, stories_tokenizer, kv_cache_dtype):
+    """Quantised blocks plus a residual per seat hold KiviCache's codes: the same greedy tokens, and
+    the pool's bytes are the plan's blocks plus the seats' rings."""
+    from kvlab.plan.pool_capacity import kivi_block_bytes, kivi_seat_bytes
+
+    model = stories_model
+    prompts = [list(range(1, 40)), list(range(100, 300)), [5, 6, 7]]
+    want = [reference(model, p, 90, kv_cache_dtype) for p in prompts]
+    eng = engine(model, kv_cache_dtype=kv_cache_dtype, block_size=32, max_num_batched_tokens=64, max_num_seqs=3)
+    got, _ = serve(eng, prompts, 90)
+    assert got == want
+    formats = cache_formats(kv_cache_dtype, model_dtype="fp32")
+    spec = model.config.to_plan_spec()
+    assert eng.pool.nbytes() == eng.blocks.num_blocks * kivi_block_bytes(spec, formats, 32) + \
+        3 * kivi_seat_bytes(spec, formats)
+    assert_free(eng)
+    assert sorted(eng.blocks.free_seats) == [0, 1, 2]
+
+
+def test_sliding_window_model_in_c_equals_the_module_path():
+    """The C step runs the Gemma-shaped model over its KV groups (every row at its own position,
+    released blocks skipped) as the module path does: the same greedy tokens, the pool free after."""
+    from kvlab.nn.kernels import kernels
+    from kvlab.nn.pack import pack_q8_0
+
+    if kernels() is None:
+        pytest.skip("no C kernels on this machine")
+    model = pack_q8_0(tiny_model(max_seq_len=128, dim=64, head_dim=32, ffn_dim=96, embed_scale=8.0))
+    module = engine(model, fused=False)
+    fused = engine(model, fused=True)
+    assert fused.decode_path == "fused C step" and module.decode_path == "module by module"
+    want, _ = serve(module, PROMPTS, 40)
+    got, _ = serve(fused, PROMPTS, 40)
+    assert got == want
+    assert_free(fused)

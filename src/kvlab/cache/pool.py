@@ -31,8 +31,9 @@ from torch import Tensor
 
 from kvlab.cache.base import CacheError, model_dtype_name
 from kvlab.cache.codecs import FloatCodec, RowCodec, Scale, make_codec
+from kvlab.cache.kivi_pool import KiviPlanes
 from kvlab.cache.kv_groups import RELEASED, KVGroup, model_groups
-from kvlab.plan.kv_formats import FLOAT, GROUP, KVFormat, resolve_kv_format
+from kvlab.plan.kv_formats import FLOAT, GROUP, KIVI, KVFormat, resolve_kv_format
 
 Fields = dict[str, Tensor]  # codec field -> [num_blocks, kv_heads, block_size, width]
 
@@ -66,16 +67,16 @@ class KVPool:
     def __init__(self, num_layers: int, kv_heads: int, k_head_dim: int, v_head_dim: int, num_blocks: int,
                  block_size: int, fmt: KVFormat, compute_dtype: torch.dtype = torch.float32,
                  k_scale: Scale = 1.0, v_scale: Scale = 1.0, device: torch.device | str | None = None,
-                 groups: Optional[Sequence[KVGroup]] = None) -> None:
+                 groups: Optional[Sequence[KVGroup]] = None, seats: int = 0) -> None:
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("k_head_dim", k_head_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise CacheError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(v_head_dim, int) or v_head_dim < 0:
             raise CacheError(f"v_head_dim must be a non-negative integer (0: no values, MLA), got {v_head_dim!r}")
-        if fmt.scheme not in (FLOAT, GROUP):
-            raise CacheError(f"the paged pool stores per-token formats (fp32, fp16, bf16, fp8, int8, int4, int2), "
-                             f"not {fmt.name}: KIVI groups keys across tokens")
+        if fmt.scheme not in (FLOAT, GROUP, KIVI):
+            raise CacheError(f"the paged pool stores fp32, fp16, bf16, fp8, int8, int4, int2, kivi2 and kivi4, "
+                             f"not {fmt.name}")
         model_dtype_name(compute_dtype)
         self.groups = list(groups) if groups is not None else [KVGroup(tuple(range(num_layers)))]
         members = sorted(layer for group in self.groups for layer in group.layers)
@@ -89,8 +90,18 @@ class KVPool:
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
         self.kv_format, self.compute_dtype = fmt, compute_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.codecs = (make_codec(fmt, k_head_dim, k_scale), make_codec(fmt, v_head_dim, v_scale) if v_head_dim else None)
         slots = max(len(group.layers) for group in self.groups)
+        self.seats, self.kivi = seats, None
+        if fmt.scheme == KIVI:  # quantised blocks and a residual per seat (kvlab.cache.kivi_pool)
+            if not v_head_dim or any(group.windowed for group in self.groups):
+                raise CacheError(f"{fmt.name} pools hold K/V heads of full-attention layers (no MLA, no windows)")
+            self.kivi = KiviPlanes(fmt, slots, num_blocks, block_size, kv_heads, k_head_dim, v_head_dim, seats,
+                                   compute_dtype, self.device, zeroed)
+            self.codecs = (None, None)
+            self.k = self.v = [None] * num_layers
+            self._slots = []
+            return
+        self.codecs = (make_codec(fmt, k_head_dim, k_scale), make_codec(fmt, v_head_dim, v_scale) if v_head_dim else None)
         k_slots = [self._alloc(self.codecs[0]) for _ in range(slots)]
         v_slots = [self._alloc(self.codecs[1]) for _ in range(slots)] if v_head_dim else [None] * slots
         self.k = [k_slots[self.slot_of[layer]] for layer in range(num_layers)]
@@ -101,7 +112,7 @@ class KVPool:
     def for_model(cls, config, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
                   compute_dtype: torch.dtype = torch.float32, group_size: Optional[int] = None,
                   device: torch.device | str | None = None, kv_window: Optional[int] = None,
-                  sink_tokens: int = 0) -> "KVPool":
+                  sink_tokens: int = 0, seats: int = 0) -> "KVPool":
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
         as the plan groups them (kvlab.plan.vllm_blocks.kv_groups), under an optional sinks + window policy."""
         fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size)
@@ -111,7 +122,7 @@ class KVPool:
             return cls(config.n_layers, 1, config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, 0,
                        num_blocks, block_size, fmt, compute_dtype, device=device, groups=groups)
         return cls(config.n_layers, config.kv_heads, config.head_size, config.head_size, num_blocks, block_size, fmt,
-                   compute_dtype, device=device, groups=groups)
+                   compute_dtype, device=device, groups=groups, seats=seats)
 
     def _alloc(self, codec: RowCodec) -> Fields:
         return {name: zeroed((self.num_blocks, self.kv_heads, self.block_size, width), dtype, self.device)
@@ -124,7 +135,17 @@ class KVPool:
     @property
     def is_latent(self) -> bool:
         """An MLA pool: one latent row per token, no values."""
-        return self.codecs[1] is None
+        return self.v_head_dim == 0
+
+    def store(self, layer: int, k: Tensor, v: Optional[Tensor], step) -> None:
+        """Store a step's new keys k [N, H, Dk] and values v [N, H, Dv] (None in an MLA pool) of layer
+        `layer` where `step` (a kvlab.cache.StepBatch) places them."""
+        group = self.group_of[layer]
+        if self.kivi is not None:
+            self.kivi.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
+                            step.query_lens, step.group_tables[group], step.seats)
+            return
+        self.write(layer, k, v, step.group_slots[group])
 
     def group(self, layer: int) -> KVGroup:
         return self.groups[self.group_of[layer]]
@@ -170,17 +191,21 @@ class KVPool:
         k, v = self._gather(layer, table, len(logical) * self.block_size)
         return k[:, keep], (v[:, keep] if v is not None else None), positions[keep]
 
-    def attention_inputs(self, layer: int, block_table: Sequence[int], new: int,
-                         context: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """What the last `new` of a sequence's `context` tokens attend over in layer `layer`: keys,
-        values and a [new, held] mask, or None where plain causal attention over all `context`
-        tokens is exact (a full group, or a window that hides nothing yet)."""
-        group = self.group(layer)
-        need = -(-context // self.block_size)
-        if RELEASED not in block_table[:need] and (group.window is None or context <= group.window):
-            keys, values = self.read(layer, block_table, context)
+    def attention_inputs(self, layer: int, step, s: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """What sequence s of `step` attends over in layer `layer`: keys, values and a [new, held]
+        mask, or None where plain causal attention over all its context is exact (a full group,
+        or a window that hides nothing yet)."""
+        g = self.group_of[layer]
+        table, new, context = step.group_tables[g][s], step.query_lens[s], step.context_lens[s]
+        if self.kivi is not None:
+            keys, values = self.kivi.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
             return keys, values, None
-        keys, values, held = self.read_held(layer, block_table, context)
+        group = self.groups[g]
+        need = -(-context // self.block_size)
+        if RELEASED not in table[:need] and (group.window is None or context <= group.window):
+            keys, values = self.read(layer, table, context)
+            return keys, values, None
+        keys, values, held = self.read_held(layer, table, context)
         return keys, values, group.visible(torch.arange(context - new, context), held)
 
     def _gather(self, layer: int, table: Tensor, length: int) -> tuple[Tensor, Optional[Tensor]]:
@@ -199,6 +224,8 @@ class KVPool:
 
     def tensors(self) -> Iterator[Tensor]:
         """Each tensor of the pool once (layers of different groups share a slot's tensors)."""
+        if self.kivi is not None:
+            return self.kivi.tensors()
         return chain.from_iterable(fields.values() for fields in self._slots)
 
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ the pool read it:
 - the step's new tokens are packed into one row, sequence after sequence (`query_lens` each);
 - `positions[i]` is the position of packed token i in its own sequence (RoPE reads it);
 - `context_lens[s]` is how many tokens sequence s attends over after this step's writes;
+- `seats[s]` is sequence s's seat (a KIVI pool keeps its residual there; by default its index);
 - per KV group g (kvlab.cache.kv_groups): `group_tables[g][s]` lists sequence s's blocks in
   order, enough for `context_lens[s]` tokens (a block no query will read again may have been
   handed back: its entry is `RELEASED`), and `group_slots[g][i]` is where packed token i's
@@ -41,11 +42,13 @@ class StepBatch:
     group_tables: list[list[list[int]]]  # [group][sequence] -> block ids
     group_slots: list[Tensor]  # [group] -> [N] long
     block_size: int
+    seats: Optional[list[int]] = None  # each sequence's seat: where a KIVI pool keeps its residual
 
     @classmethod
     def build(cls, starts: Sequence[int], query_lens: Sequence[int],
               block_tables: Optional[Sequence[Sequence[int]]] = None, block_size: int = 16, *,
-              group_tables: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> "StepBatch":
+              group_tables: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+              seats: Optional[Sequence[int]] = None) -> "StepBatch":
         """Sequence s feeds `query_lens[s]` tokens at positions starts[s].. and keeps its K/V in
         group_tables[g][s] for each KV group g (`block_tables`: the tables of a pool of one group)."""
         if group_tables is None:
@@ -77,7 +80,8 @@ class StepBatch:
                 raise CacheError(f"position {p} of sequence {s} {why}")
             slots.append(blocks * block_size + positions % block_size)
         return cls(list(query_lens), [s + n for s, n in zip(starts, query_lens)], positions,
-                   [[list(table) for table in tables] for tables in group_tables], slots, block_size)
+                   [[list(table) for table in tables] for tables in group_tables], slots, block_size,
+                   list(seats) if seats is not None else list(range(len(starts))))
 
     @property
     def block_tables(self) -> list[list[int]]:

@@ -7,8 +7,7 @@ import argparse
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
-
-PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
+from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +18,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
     model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     cache = parser.add_argument_group("KV cache (one paged pool)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=PAGED_KV_DTYPES,
-                       help="pool storage; auto = the activations' dtype. KIVI groups keys across tokens and "
-                            "does not page")
+    cache.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
+                       help="pool storage; auto = the activations' dtype. kivi2/kivi4 keep each running "
+                            "request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,

@@ -52,12 +52,16 @@ def chain_hash(previous: Optional[int], token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: Optional[Seq[KVGroup]] = None) -> None:
+                 groups: Optional[Seq[KVGroup]] = None, seats: int = 0) -> None:
+        """`seats` > 0: each admitted sequence also takes one of that many seats (a KIVI pool's
+        residual rows), given back when it leaves."""
         if num_blocks <= 0 or block_size <= 0:
             raise CacheError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.groups = list(groups) if groups else [KVGroup(())]
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_seats = list(range(seats - 1, -1, -1))  # popped from the end: seat 0 first
+        self.uses_seats = seats > 0
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.by_hash: list[dict[int, int]] = [{} for _ in self.groups]
         self.hash_chains: dict[str, list[int]] = {}  # request id -> hashes of its full blocks, in order
@@ -146,8 +150,10 @@ class BlockManager:
         taken = [block_id for table in tables for block_id in table if block_id != RELEASED]
         reusable_free = sum(1 for block_id in set(taken) if self.blocks[block_id].ref_count == 0)
         need = (self.blocks_for(cached + n) - self.blocks_for(cached)) * self.num_groups
-        if n <= 0 or need > self.num_free - reusable_free:
+        if n <= 0 or need > self.num_free - reusable_free or (self.uses_seats and not self.free_seats):
             return None
+        if self.uses_seats:
+            seq.seat = self.free_seats.pop()
         for block_id in taken:
             self._take(block_id)
         seq.block_tables = tables
@@ -240,6 +246,9 @@ class BlockManager:
                     self._drop(block_id)
         seq.block_tables = []
         seq.num_computed = seq.draft_computed = 0
+        if seq.seat is not None:
+            self.free_seats.append(seq.seat)
+            seq.seat = None
         self.hash_chains.pop(seq.request_id, None)
         self.released_upto.pop(seq.request_id, None)
 

@@ -29,7 +29,8 @@ from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
-from kvlab.plan.vllm_blocks import vllm_capacity
+from kvlab.plan.kv_formats import KIVI
+from kvlab.plan.pool_capacity import engine_capacity
 
 log = logging.getLogger("kvlab.engine")
 DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
@@ -115,11 +116,16 @@ class LLMEngine:
         windowed = config.kv_window is not None
         if windowed and self.speculative is not None:
             raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
+        kivi = formats.k.scheme == KIVI  # quantised blocks plus a residual per seat (kvlab.cache.kivi_pool)
+        if kivi and (self.speculative is not None or windowed):
+            raise RequestError(f"{formats.k.name} pools quantise what a step wrote; speculative decoding and "
+                               "--kv-window are not supported with them", "kv_cache_dtype")
+        seats = config.max_num_seqs if kivi else 0
         if draft is None:
             spec = mc.to_plan_spec().with_kv_window(config.kv_window, config.sink_tokens) if windowed \
                 else mc.to_plan_spec()
-            self.capacity = vllm_capacity(spec, budget, self.max_model_len, formats, config.block_size,
-                                          device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
+            self.capacity = engine_capacity(spec, budget, self.max_model_len, formats, config.block_size, seats,
+                                            config.max_num_batched_tokens)
         else:
             self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
                                             self.max_model_len, formats, config.block_size)
@@ -127,11 +133,17 @@ class LLMEngine:
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
                                f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
+        if draft is not None and any(layer is not None for layer in mc.windows):
+            raise RequestError("a draft model shares the pool's blocks with a target of one KV group; "
+                               f"{mc.name} has sliding layers", "speculative_config")
         self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
-                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens)
+                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats)
         draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
             if draft is not None else None
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.pool.groups)
+        # a KIVI pool's blocks hold what was quantised when they were written, which depends on the
+        # sequence's length then: a prefix computed in another sequence is not the same bytes
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not kivi,
+                                   self.pool.groups, seats)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)

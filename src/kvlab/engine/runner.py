@@ -52,6 +52,11 @@ C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequen
 C_PROMPT_CONTEXT = 2048
 
 
+def group_tables(seqs: list[Sequence], groups: int) -> list[list[list[int]]]:
+    """The sequences' block tables, per KV group: [group][sequence]."""
+    return [[seq.block_tables[g] for seq in seqs] for g in range(groups)]
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
                  speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
@@ -90,9 +95,9 @@ class ModelRunner:
                  seq.all_ids[seq.num_computed:seq.num_computed + n]
                  for seq, n, dec, d in zip(seqs, step.num_tokens, decoding, drafts)]
         lens = [len(f) for f in feeds]
+        tables = group_tables(seqs, len(self.pool.groups))
         batch = StepBatch.build([seq.num_computed for seq in seqs], lens, block_size=self.pool.block_size,
-                                group_tables=[[seq.block_tables[g] for seq in seqs]
-                                              for g in range(len(self.pool.groups))])
+                                group_tables=tables, seats=[seq.seat or 0 for seq in seqs])
         ends = torch.tensor(lens).cumsum(0)
         if self.paged_step is not None and batch.is_decode:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
@@ -104,7 +109,7 @@ class ModelRunner:
             in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT and not prompts_on_float_gemm())
             if self.paged_step is not None and in_c:  # a row per token, in C
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                               [seq.block_table for seq in seqs], logit_rows=flat)
+                                               tables, logit_rows=flat)
             else:
                 logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                     rows=torch.tensor(flat))[0]
@@ -168,11 +173,12 @@ class ModelRunner:
                 begin = seq.draft_computed if own and round_ == 0 else seq.num_tokens - 1 + round_
                 starts.append(begin)
                 feeds.append(ids[begin:seq.num_tokens + round_])
-            tables = [seqs[i].block_table for i in live]
+            tables = group_tables([seqs[i] for i in live], len(pool.groups))
             if self.draft_step is not None and max(len(f) for f in feeds) <= C_FEED_LIMIT:
                 logits = self.draft_step.feeds(feeds, starts, tables)[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
             else:
-                batch = StepBatch.build(starts, [len(f) for f in feeds], tables, pool.block_size)
+                batch = StepBatch.build(starts, [len(f) for f in feeds], block_size=pool.block_size,
+                                        group_tables=tables)
                 logits = model(torch.tensor([[t for f in feeds for t in f]]), pool, last_only=True, step=batch,
                                num_layers=layers)[0]
             for row, i in enumerate(live):

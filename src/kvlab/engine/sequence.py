@@ -38,6 +38,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (kvlab.cache.kv_groups)
+    seat: Optional[int] = None  # a place among max_num_seqs while running (a KIVI pool's residual rows)
     num_computed: int = 0
     draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)

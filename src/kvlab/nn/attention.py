@@ -125,11 +125,10 @@ class Attention(nn.Module):
         heads = self._normed(heads, 0)
         rotated = rope.at(heads[:q_and_k], step.positions)  # [Hq + Hkv, N, D], each token at its own position
         q, k, v = rotated[:self.n_heads], rotated[self.n_heads:], heads[q_and_k:]
-        group = pool.group_of[layer]
-        pool.write(layer, k.transpose(0, 1), v.transpose(0, 1), step.group_slots[group])
+        pool.store(layer, k.transpose(0, 1), v.transpose(0, 1), step)
         outs, at = [], 0
-        for table, new, context in zip(step.group_tables[group], step.query_lens, step.context_lens):
-            keys, values, mask = pool.attention_inputs(layer, table, new, context)
+        for s, new in enumerate(step.query_lens):
+            keys, values, mask = pool.attention_inputs(layer, step, s)
             outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]

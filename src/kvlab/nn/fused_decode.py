@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from kvlab.cache.contiguous import ContiguousCache
-from kvlab.nn.c_abi import CACHE_DTYPES as C_CACHE_DTYPES, MAX_GROUP, KVPlane, LlamaLayer, LlamaModel, QMatrix, \
-    QStack
+from kvlab.nn.c_abi import ACTIVATIONS, CACHE_DTYPES as C_CACHE_DTYPES, MAX_GROUP, MAX_LAYOUTS, KVPlane, \
+    LlamaLayer, LlamaModel, QMatrix, QStack
 from kvlab.nn.ggml import GGMLLinear, GGMLStack
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
@@ -46,24 +46,46 @@ def _qstack(layer: nn.Module) -> QStack:
 
 
 def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dtype: int,
-                 group_size: int = 0, num_layers: Optional[int] = None) -> tuple[LlamaModel, ctypes.Array]:
+                 group_size: int = 0, num_layers: Optional[int] = None,
+                 layer_groups: Optional[list[tuple[int, Optional[int]]]] = None) -> tuple[LlamaModel, ctypes.Array]:
     """The C model for `model` (why_not_model is None) whose layer i keeps K/V in sides[i].
 
-    `num_layers` keeps only the first layers, then the final norm and LM head (a self-draft).
-    Returns the struct and its layer array, which must outlive every call that uses the struct.
+    `layer_groups[i]` is layer i's (KV group, window); by default one group and each layer's own
+    window. `num_layers` keeps only the first layers, then the final norm and LM head (a
+    self-draft). Returns the struct and its layer array, which must outlive every call that uses
+    the struct.
     """
     config = model.config
     blocks = list(model.blocks)[:num_layers] if num_layers else list(model.blocks)
+    layer_groups = layer_groups or [(0, config.window_of(i)) for i in range(len(blocks))]
+
+    def weight(module) -> int:
+        return module.weight.data_ptr() if module is not None else 0
+
     layers = (LlamaLayer * len(blocks))(*(
-        LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(), _qstack(block.attn.qkv),
-                   _qmatrix(block.attn.o), _qstack(block.mlp.gate_up), _qmatrix(block.mlp.down), k, v)
-        for block, (k, v) in zip(blocks, sides)))
+        LlamaLayer(block.attn_norm.weight.data_ptr(), block.mlp_norm.weight.data_ptr(),
+                   weight(getattr(block.attn, "q_norm", None)), weight(getattr(block.attn, "k_norm", None)),
+                   weight(getattr(block, "post_attn_norm", None)), weight(getattr(block, "post_mlp_norm", None)),
+                   model.rope_for(i).cos.data_ptr(), model.rope_for(i).sin.data_ptr(), window or 0, group,
+                   _qstack(block.attn.qkv), _qmatrix(block.attn.o), _qstack(block.mlp.gate_up),
+                   _qmatrix(block.mlp.down), k, v)
+        for i, (block, (k, v), (group, window)) in enumerate(zip(blocks, sides, layer_groups))))
     rope = model.rope
     struct = LlamaModel(len(blocks), config.dim, config.n_heads, config.kv_heads, config.head_size,
-                        config.ffn_size, config.vocab_size, rope.max_seq_len, int(rope.style == INTERLEAVED),
-                        cache_dtype, group_size, config.norm_eps, rope.cos.data_ptr(), rope.sin.data_ptr(), layers,
+                        config.ffn_size, config.vocab_size, 1 + max(group for group, _ in layer_groups),
+                        rope.max_seq_len, int(rope.style == INTERLEAVED), cache_dtype, group_size,
+                        ACTIVATIONS[config.mlp], config.norm_eps, config.query_scale or 0.0, layers,
                         model.norm.weight.data_ptr(), _qmatrix(model.lm_head))
     return struct, layers
+
+
+def embed_rows(model: Decoder, ids: torch.Tensor) -> torch.Tensor:
+    """The C step's input rows: the tokens' embeddings, scaled as the model's forward scales them
+    (Gemma: by sqrt(dim), rounded to the dtype first), fp32 and contiguous."""
+    x = model.embed(ids)
+    if model.config.embed_scale != 1.0:
+        x = x * torch.tensor(model.config.embed_scale, dtype=x.dtype)
+    return x.float().contiguous()
 
 
 def new_arena() -> int:
@@ -80,10 +102,11 @@ def why_not_model(model: Decoder) -> Optional[str]:
     config = model.config
     if kernels() is None:
         return "the GGML kernels are unavailable on this machine"
-    if config.attention != "gqa" or config.mlp != "swiglu" or config.norm != "rmsnorm" or config.bias:
-        return "only bias-free Llama-family models (RMSNorm, SwiGLU, grouped-query attention) are fused"
-    if config.qk_norm or config.post_norms or any(config.windows) or config.embed_scale != 1.0 or config.query_scale:
-        return "Gemma-style extras (q/k norms, post-norms, sliding windows, scaled embeddings or logits) are not fused"
+    if config.attention != "gqa" or config.mlp not in ACTIVATIONS or config.norm != "rmsnorm" or config.bias:
+        return ("only bias-free Llama-family models (Llama, Gemma: RMSNorm, SwiGLU or GeGLU, grouped-query "
+                "attention) run in C")
+    if len({window for window in config.windows}) > MAX_LAYOUTS:
+        return f"the C step runs at most {MAX_LAYOUTS} distinct attention windows"
     if model.dtype != torch.float32:
         return "the fused step computes in fp32"
     single = [model.lm_head] + [m for block in model.blocks for m in (block.attn.o, block.mlp.down)]
@@ -144,7 +167,7 @@ class FusedDecodeStep:
         position = self.cache.seq_len(0)
         if position >= self.model.rope.max_seq_len:
             raise ValueError(f"position {position} is beyond the model's {self.model.rope.max_seq_len}-token context")
-        x = self.model.embed(ids.reshape(self.cache.shape.batch)).float().contiguous()
+        x = embed_rows(self.model, ids.reshape(self.cache.shape.batch))
         logits = torch.empty(self.cache.shape.batch, self.model.config.vocab_size)
         status = kernels().llama_decode_step(ctypes.byref(self._struct), self.cache.shape.batch,
                                              self.cache.shape.max_tokens, position, x.data_ptr(), logits.data_ptr(),

@@ -88,11 +88,10 @@ class MLA(nn.Module):
         latent, k_rope = self.wkv_a(x[0]).split((self.rank, self.rope_heads * self.rope_dim), dim=-1)
         k_rope = rope.at(k_rope.view(tokens, self.rope_heads, self.rope_dim).transpose(0, 1), step.positions)
         rows = torch.cat((self.kv_norm(latent), k_rope.transpose(0, 1).reshape(tokens, -1)), dim=-1)
-        group = pool.group_of[layer]
-        pool.write(layer, rows[:, None], None, step.group_slots[group])
+        pool.store(layer, rows[:, None], None, step)
         outs, at = [], 0
-        for table, new, context in zip(step.group_tables[group], step.query_lens, step.context_lens):
-            held, _, mask = pool.attention_inputs(layer, table, new, context)  # [1, held, rank + keys * rope]
+        for s, new in enumerate(step.query_lens):
+            held, _, mask = pool.attention_inputs(layer, step, s)  # [1, held, rank + keys * rope]
             cached, cached_rope = held[0].split((self.rank, self.rope_heads * self.rope_dim), dim=-1)
             cached_rope = cached_rope.view(-1, self.rope_heads, self.rope_dim).transpose(0, 1)[None]
             attend_latent = self.absorbed if self.absorb else self.naive
