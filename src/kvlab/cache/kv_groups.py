@@ -53,6 +53,14 @@ class KVGroup:
         first, last = block * block_size, (block + 1) * block_size - 1
         return first >= self.sinks and last < self.first_visible(next_position)
 
+    def peak_blocks(self, tokens: int, chunk: int, block_size: int) -> int:
+        """Blocks a sequence of `tokens` tokens can hold at once in this group when a step feeds at
+        most `chunk` tokens: every block in a full group; a windowed group's sinks, window and chunk."""
+        need = -(-tokens // block_size)
+        if self.window is None:
+            return need
+        return min(need, -(-self.sinks // block_size) + -(-(self.window - 1 + chunk) // block_size) + 1)
+
     def needed_blocks(self, next_position: int, block_size: int) -> range:
         """Logical blocks (besides the sinks' blocks) a query at `next_position` may read."""
         return range(self.first_visible(next_position) // block_size, -(-next_position // block_size))

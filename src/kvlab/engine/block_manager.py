@@ -91,15 +91,9 @@ class BlockManager:
         return -(-tokens // self.block_size)
 
     def peak_blocks(self, tokens: int, chunk: int) -> int:
-        """Blocks a sequence of `tokens` tokens can hold at once when a step feeds at most `chunk`
-        tokens: every block in a full group, a windowed group's sinks, window and one chunk."""
-        total = 0
-        for group in self.groups:
-            need = self.blocks_for(tokens)
-            if group.windowed:
-                need = min(need, self.blocks_for(group.sinks) + self.blocks_for(group.window - 1 + chunk) + 1)
-            total += need
-        return total
+        """Blocks a sequence of `tokens` tokens can hold at once, over its groups, when a step feeds
+        at most `chunk` tokens (kvlab.cache.kv_groups.KVGroup.peak_blocks)."""
+        return sum(group.peak_blocks(tokens, chunk, self.block_size) for group in self.groups)
 
     # -- admission ---------------------------------------------------------------------------------
 
