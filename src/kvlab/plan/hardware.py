@@ -72,7 +72,7 @@ CATALOG = {
     "h100-pcie": _card("H100 PCIe", 80, 2000, 756, 1513, "NVIDIA H100 Tensor Core GPU datasheet (PCIe, dense)", 80),
     "h200": _card("H200 SXM", 141, 4800, 989, 1979, "NVIDIA H200 Tensor Core GPU datasheet (SXM, dense)", 141),
     "b200": _card("B200", 180, 7700, 2250, 4500, "NVIDIA HGX B200 datasheet (per GPU, dense = sparse / 2)", 180),
-    "mi300x": _card("MI300X", 192, 5300, 1307.4, 2614.9, "AMD Instinct MI300X data sheet (dense)", 192),
+    "mi300x": _card("MI300X", 192, 5300, 1307.4, 2614.9, "AMD Instinct MI300X accelerator datasheet (dense)", 192),
     "a100-80gb": _card("A100 80GB SXM", 80, 2039, 312, None, "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB, dense)",
                        80),
     "l4": _card("L4", 24, 300, 121, 242.5, "NVIDIA L4 Tensor Core GPU datasheet (dense = sparse / 2)", 24, "gddr-ecc"),

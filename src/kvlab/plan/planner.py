@@ -15,10 +15,9 @@ from kvlab.plan.kv_formats import model_dtype_bytes
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
 from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
 from kvlab.plan.speculative import expected_speedup, expected_tokens_per_step, shared_pool_blocks, with_draft
-from kvlab.plan.vllm_blocks import DEVICES as VLLM_DEVICES
-from kvlab.plan.vllm_blocks import vllm_capacity, vllm_longest_context
-from kvlab.plan.vllm_memory import startup_budget
 from kvlab.plan.vllm_versions import DEFAULT_VERSION, release
+
+VLLM_DEVICES = ("cuda", "cpu")  # kvlab.plan.vllm_blocks.DEVICES; vLLM's modules load only for --engine vllm
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
 
@@ -212,6 +211,7 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
 def _add_vllm(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, usable: int,
               result: dict[str, Any]) -> None:
     """vLLM's block arithmetic: `seats` and `max_context` are then vLLM's (whole blocks, windows as it reserves them)."""
+    from kvlab.plan.vllm_blocks import vllm_capacity, vllm_longest_context
     tokens, _ = request.batch_defaults()
     args = (spec, usable, request.context, formats, request.block_size, request.tensor_parallel,
             request.vllm_device, tokens)
@@ -278,6 +278,7 @@ def _cache_budget(spec: ModelSpec, request: PlanRequest, weights_per_rank: Optio
         "gpu_memory_utilization": request.gpu_memory_utilization,
     }
     if request.engine == "vllm" and request.vllm_device == "cuda":
+        from kvlab.plan.vllm_memory import startup_budget
         tokens, seqs = request.batch_defaults()
         table = startup_budget(spec, card, weights_per_rank, release(request.vllm_version),
                                request.gpu_memory_utilization, tokens, seqs, request.tensor_parallel,

@@ -140,16 +140,22 @@ def vllm_longest_context(spec, available_bytes: int, batch: int, formats: CacheF
 
 def decomposition(v: dict[str, Any], groups: list[KVGroup], available: int, max_model_len: int) -> list[str]:
     """The logged figures written out term by term: groups, pages, blocks, pages per request, the formula."""
-    kinds = ", ".join(f"{g.label}: {g.layers} layers, {g.block_size}-token blocks"
-                      f"{' (page padded)' if g.padded else ''}" for g in groups)
+    kinds: dict[tuple[str, int, bool], list[int]] = {}
+    for g in groups:
+        kinds.setdefault((g.label, g.block_size, g.padded), []).append(g.layers)
+    described = "; ".join(f"{len(sizes)} x {label}" if len(sizes) > 1 else label for (label, _, _), sizes in
+                          kinds.items()) if len(groups) > 1 else groups[0].label
+    blocks_of = ", ".join(f"{label} {size}-token{' padded' if padded else ''}" for label, size, padded in kinds)
     page = groups[0].page_bytes
     if len(groups) == 1:
-        block = f"one group ({kinds}); a block holds every layer's page: {v['block_bytes_all_layers']:,} B"
+        block = (f"1 group ({described}, {groups[0].layers} layers, {groups[0].block_size}-token blocks): a block is "
+                 f"every layer's page, {v['block_bytes_all_layers']:,} B")
     else:
-        block = (f"{len(groups)} groups of {v['group_size']} layers ({kinds}; {v['padding_layers']} padding); "
-                 f"a block is a {page:,} B page in each of {v['group_size']}: {v['block_bytes_all_layers']:,} B")
+        block = (f"{len(groups)} groups ({described}) of {v['group_size']} layers, {v['padding_layers']} padding; "
+                 f"blocks: {blocks_of}; a block is a {page:,} B page in each of {v['group_size']} layers = "
+                 f"{v['block_bytes_all_layers']:,} B")
     formulas = Counter(g.peak_formula(max_model_len, v["max_in_flight_tokens"]) for g in groups)
-    peaks = " + ".join(f"{count} x {formula}" if count > 1 else formula for formula, count in formulas.items())
+    peaks = " + ".join(f"{count} x ({formula})" if count > 1 else formula for formula, count in formulas.items())
     return [
         block,
         f"num_blocks = {available:,} B // {v['block_bytes_all_layers']:,} B = {v['num_gpu_blocks']:,}",
