@@ -19,17 +19,25 @@ from kvlab.plan.hf_config import spec_from_hf_config
 @pytest.mark.parametrize("engine", ["kvlab", "vllm"])
 @pytest.mark.parametrize("model", ["llama-3-8b", "gemma-3-270m", "gemma-3-1b"])
 def test_longest_context_at_a_concurrency_planned_forward_fits_and_one_more_block_does_not(engine, model):
+    """16 sequences in 1.5 GiB: below each model's own limit, so the answer is the memory's, not the config's."""
     spec = spec_from_hf_config(GEMMA3_1B, "gemma-3-1b") if model == "gemma-3-1b" else preset(model)
-    request = PlanRequest(context=4096, batch=6, kv_cache_memory=3 * GIB // 2, engine=engine, model_dtype="bf16")
-    longest = plan(spec, request)["max_context"]
-    assert longest and longest > 0
-    forward = plan(spec, PlanRequest(context=longest, batch=6, kv_cache_memory=3 * GIB // 2, engine=engine,
-                                     model_dtype="bf16"))
-    assert forward["fits"] and forward["seats"] >= 6
+
+    def planned(context):
+        return plan(spec, PlanRequest(context=context, batch=16, kv_cache_memory=3 * GIB // 2, engine=engine,
+                                      model_dtype="bf16", max_num_batched_tokens=512))
+
+    longest = planned(4096)["max_context"]
+    assert 0 < longest < spec.max_context
+    forward = planned(longest)
+    assert forward["fits"] and forward["seats"] >= 16
     step = 16 if engine == "vllm" else 1  # vLLM allocates whole 16-token blocks; kvlab's bytes are exact
-    over = plan(spec, PlanRequest(context=longest + step, batch=6, kv_cache_memory=3 * GIB // 2, engine=engine,
-                                  model_dtype="bf16"))
-    assert not over["fits"] and over["seats"] < 6
+    over = planned(longest + step)
+    assert not over["fits"] and over["seats"] < 16
+
+
+def test_vllm_never_answers_beyond_the_models_positions():
+    result = plan(preset("gemma-3-270m"), PlanRequest(context=4096, batch=1, kv_cache_memory=8 * GIB, engine="vllm"))
+    assert result["max_context"] == 32768 and result["max_context_limited_by"] == "max_position_embeddings"
 
 
 @pytest.mark.parametrize("engine", ["kvlab", "vllm"])

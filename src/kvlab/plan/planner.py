@@ -218,9 +218,12 @@ def _add_vllm(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheForm
     vllm = vllm_capacity(*args, hybrid=request.vllm_hybrid, version=request.vllm_version)
     result["vllm"] = vllm
     result["seats"] = int(vllm["max_concurrency"])
-    result["max_context"] = vllm_longest_context(spec, usable, request.batch, formats, request.block_size,
-                                                 request.tensor_parallel, request.vllm_device, tokens,
-                                                 request.vllm_hybrid, request.vllm_version)
+    longest = vllm_longest_context(spec, usable, request.batch, formats, request.block_size, request.tensor_parallel,
+                                   request.vllm_device, tokens, request.vllm_hybrid, request.vllm_version)
+    if spec.max_context is not None and (longest is None or longest > spec.max_context):
+        longest = spec.max_context  # vLLM refuses a --max-model-len beyond the model's positions
+        result["max_context_limited_by"] = "max_position_embeddings"
+    result["max_context"] = longest
 
 
 def _what_fits(request: PlanRequest, budget: int, result: dict[str, Any]) -> str:

@@ -84,7 +84,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
             table.add_row("tokens that fit (kv_cache_tokens)", _count(result["kv_cache_tokens"]))
         how = " (vLLM blocks)" if vllm_mode else ""
         table.add_row(f"seats @ {inputs['context']:,} tokens{how}", _count(result["seats"]))
-        table.add_row(f"longest context @ batch {inputs['batch']}{how}", _count(result["max_context"]))
+        limited = " (the model's limit)" if result.get("max_context_limited_by") else ""
+        table.add_row(f"longest context @ batch {inputs['batch']}{how}", _count(result["max_context"]) + limited)
     if "decode_ms_per_token" in result:
         table.add_row(f"decode floor @ batch {inputs['batch']}",
                       f"{result['decode_ms_per_token']:.2f} ms/token, {result['decode_tokens_per_s']:,.0f} tokens/s "
