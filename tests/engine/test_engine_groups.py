@@ -16,7 +16,9 @@ from kvlab.nn.config import SLIDING_ATTENTION, FULL_ATTENTION, ModelConfig
 from kvlab.nn.generate import generate
 from kvlab.nn.model import Decoder
 from kvlab.plan.capacity import cache_formats
-from kvlab.plan.vllm_blocks import kv_groups, vllm_capacity
+from kvlab.plan.vllm_blocks import vllm_capacity
+from kvlab.plan.vllm_groups import kv_groups
+from kvlab.plan.vllm_versions import DEFAULT_VERSION, release
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
 from test_sliding_layers import WINDOW, tiny_model  # noqa: E402
@@ -146,7 +148,7 @@ def test_pool_bytes_and_start_up_lines_are_the_plans(make, kv_cache_dtype):
                          model_dtype="fp32"), BLOCK, device="cpu", max_num_batched_tokens=8)
     assert eng.capacity_lines == plan["log_lines"]
     assert eng.pool.nbytes() == plan["num_gpu_blocks"] * plan["block_bytes_all_layers"]
-    groups = kv_groups(model.config.to_plan_spec(), cache_formats("fp16"), BLOCK)
+    groups = kv_groups(model.config.to_plan_spec(), cache_formats("fp16"), BLOCK, 1, True, release(DEFAULT_VERSION))
     assert [group.layers for group in eng.pool.groups] == [group.layer_ids for group in groups]
 
 

@@ -114,7 +114,7 @@ class KVPool:
                   device: torch.device | str | None = None, kv_window: Optional[int] = None,
                   sink_tokens: int = 0, seats: int = 0) -> "KVPool":
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
-        as the plan groups them (kvlab.plan.vllm_blocks.kv_groups), under an optional sinks + window policy."""
+        as the plan groups them (kvlab.plan.vllm_groups.kv_groups), under an optional sinks + window policy."""
         fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size)
         groups = model_groups(config.windows, layer_groups(config, block_size, kv_window, sink_tokens),
                               kv_window, sink_tokens)
@@ -237,12 +237,13 @@ def layer_groups(config, block_size: int, kv_window: Optional[int] = None, sink_
     """The layers of each KV group of a kvlab.nn ModelConfig, as the plan groups them (vLLM's hybrid
     rule): the layout depends on the layers' kinds and shapes, not on the cache format."""
     from kvlab.plan.capacity import cache_formats
-    from kvlab.plan.vllm_blocks import kv_groups
+    from kvlab.plan.vllm_groups import kv_groups
+    from kvlab.plan.vllm_versions import DEFAULT_VERSION, release
 
     spec = config.to_plan_spec()
     if kv_window is not None:
         spec = spec.with_kv_window(kv_window, sink_tokens)
-    groups = kv_groups(spec, cache_formats("fp16"), block_size)
+    groups = kv_groups(spec, cache_formats("fp16"), block_size, 1, True, release(DEFAULT_VERSION))
     if len({group.block_size for group in groups}) > 1:
         raise CacheError(f"{config.name}'s layers hold different bytes per token; the pool needs equal pages")
     return [group.layer_ids for group in groups]
