@@ -112,10 +112,10 @@ class KVPool:
     def for_model(cls, config, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
                   compute_dtype: torch.dtype = torch.float32, group_size: Optional[int] = None,
                   device: torch.device | str | None = None, kv_window: Optional[int] = None,
-                  sink_tokens: int = 0, seats: int = 0) -> "KVPool":
+                  sink_tokens: int = 0, seats: int = 0, residual: Optional[int] = None) -> "KVPool":
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
         as the plan groups them (kvlab.plan.vllm_groups.kv_groups), under an optional sinks + window policy."""
-        fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size)
+        fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size, residual)
         groups = model_groups(config.windows, layer_groups(config, block_size, kv_window, sink_tokens),
                               kv_window, sink_tokens)
         if config.attention == "mla":

@@ -1,38 +1,27 @@
-"""A whole decode step in one C call, for Llama-family models held as GGUF blocks (planes).
+"""The C step's model: a Decoder held as GGUF blocks (planes) described to csrc/llama_decode.c.
 
 On SmolLM2-135M a decode step is 121 matrix-vector products of a few hundred microseconds'
 worth of arithmetic each; driven module by module from Python the calls, allocations and
-thread start-ups around them cost more than the products. `FusedDecodeStep` hands the
-model's weights, the cache's buffers and the RoPE tables to csrc/llama_decode.c once, and each
-step is then one call. It computes what `Decoder.forward` computes with GGMLLinear layers
-(the same activation codes, fp32 norms, RoPE, softmax and SwiGLU), writes K/V into the
-kvlab.cache ContiguousCache the model would have used (fp32, fp16 or bf16 rows), and advances
-its length, so the module path can take over at any step. `fused_step_for` says why not when it cannot apply.
-
-The C side is the paged step (kvlab.nn.paged_decode) with one block of `capacity` tokens per
-row; batch size and capacity are call arguments, and scratch memory is an arena kept by the
-step object between calls.
+thread start-ups around them cost more than the products. The C step (kvlab.nn.paged_decode)
+takes the model's weights, its pool's tensors and the RoPE tables once, as one descriptor per
+layer (`llama_struct`), and computes what `Decoder.forward` computes with GGMLLinear layers
+(the same activation codes, fp32 norms, RoPE, softmax and SwiGLU or GeGLU). `why_not_model`
+says why not where it cannot apply.
 """
 
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
-from kvlab.cache.contiguous import ContiguousCache
-from kvlab.nn.c_abi import ACTIVATIONS, CACHE_DTYPES as C_CACHE_DTYPES, MAX_GROUP, MAX_LAYOUTS, KVPlane, \
-    LlamaLayer, LlamaModel, QMatrix, QStack
+from kvlab.nn.c_abi import ACTIVATIONS, MAX_GROUP, MAX_LAYOUTS, KVPlane, LlamaLayer, LlamaModel, QMatrix, QStack
 from kvlab.nn.ggml import GGMLLinear, GGMLStack
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
 from kvlab.nn.rope import INTERLEAVED
-
-# The ctypes mirrors live in kvlab.nn.c_abi, checked against the library's own table at load.
-CACHE_DTYPES = {dtype: C_CACHE_DTYPES[dtype] for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 def _qmatrix(layer: GGMLLinear) -> QMatrix:
@@ -125,61 +114,3 @@ def why_not_model(model: Decoder) -> Optional[str]:
     if config.head_size % 8 or config.n_heads // config.kv_heads > MAX_GROUP:
         return f"the head dim must be a multiple of 8, with at most {MAX_GROUP} query heads per KV head"
     return None
-
-
-def why_not_fused(model: Decoder, cache) -> Optional[str]:
-    """None when `FusedDecodeStep` can run `model` on `cache`, else the reason it cannot."""
-    reason = why_not_model(model)
-    if reason is not None:
-        return reason
-    config = model.config
-    buffers = cache.float_buffers(0) if isinstance(cache, ContiguousCache) and not cache.pre_rope else None
-    if buffers is None or buffers[0].dtype not in CACHE_DTYPES or buffers[0].dtype != buffers[1].dtype \
-            or buffers[0].device.type != "cpu":
-        return "the cache must be a contiguous fp32/fp16/bf16 CPU cache without pre-RoPE keys"
-    if (cache.shape.num_layers, cache.shape.kv_heads, cache.shape.k_head_dim, cache.shape.v_head_dim) != \
-            (config.n_layers, config.kv_heads, config.head_size, config.head_size):
-        return "the cache was not built for this model's layers, KV heads and head dim"
-    if len(set(cache.seq_len(layer) for layer in range(config.n_layers))) != 1:
-        return "every layer of the cache must hold the same number of tokens"
-    return None
-
-
-class FusedDecodeStep:
-    """`step(ids [B])` -> logits [B, vocab] for the token after those already in `cache`.
-
-    Holds the addresses of the model's and the cache's tensors: build one per generation and
-    do not move either (`.to()`, a new cache) while it is in use.
-    """
-
-    def __init__(self, model: Decoder, cache: ContiguousCache):
-        reason = why_not_fused(model, cache)
-        if reason is not None:
-            raise ValueError(f"cannot fuse the decode step: {reason}")
-        self.model, self.cache = model, cache
-        sides = [tuple(KVPlane(t.data_ptr()) for t in cache.float_buffers(i)) for i in range(len(model.blocks))]
-        self._struct, self._layers = llama_struct(model, sides, CACHE_DTYPES[cache.float_buffers(0)[0].dtype])
-        self._arena = new_arena()
-        weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
-
-    @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        position = self.cache.seq_len(0)
-        if position >= self.model.rope.max_seq_len:
-            raise ValueError(f"position {position} is beyond the model's {self.model.rope.max_seq_len}-token context")
-        x = embed_rows(self.model, ids.reshape(self.cache.shape.batch))
-        logits = torch.empty(self.cache.shape.batch, self.model.config.vocab_size)
-        status = kernels().llama_decode_step(ctypes.byref(self._struct), self.cache.shape.batch,
-                                             self.cache.shape.max_tokens, position, x.data_ptr(), logits.data_ptr(),
-                                             self._arena)
-        if status == -2:
-            raise ValueError(f"position {position} is beyond the cache's {self.cache.shape.max_tokens} tokens")
-        if status:
-            raise MemoryError("the fused decode step could not allocate its scratch buffers")
-        self.cache.advance(1)
-        return logits
-
-
-def fused_step_for(model: Decoder, cache) -> Optional[FusedDecodeStep]:
-    """The fused step for `model` on `cache`, or None where `why_not_fused` names a reason."""
-    return FusedDecodeStep(model, cache) if why_not_fused(model, cache) is None else None

@@ -61,8 +61,9 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
         "max_concurrency": concurrency,
         "log_lines": [
             f"Available KV cache memory: {available_bytes / GIB:.2f} GiB",
-            f"CPU KV cache size: {tokens:,} tokens ({formats.k.name} blocks; {seats} seats' full-precision "
-            f"residuals of {formats.k.residual + formats.k.group_size} tokens take {residual / 2**20:.2f} MiB)",
-            f"Maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x",
+            f"CPU KV cache size: {tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per request: "
+            f"{concurrency:.2f}x",
+            f"{formats.k.name}: {seats} seats' full-precision residuals of "
+            f"{formats.k.residual + formats.k.group_size} tokens take {residual / 2**20:.2f} MiB of it",
         ],
     }

@@ -14,7 +14,7 @@
  * tensor [blocks, kv_heads, block_size, head_dim] (kvlab.cache.KVPool's layout), row r's
  * token at position p in block block_tables[r][p / block_size], offset p % block_size. A
  * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
- * `capacity` tokens per row (llama_decode_step). Stores and loads of each cache format are
+ * `capacity` tokens per row (kvlab.cache.PooledRows). Stores and loads of each cache format are
  * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
  * half of fp16's bytes; with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
  * dot products instead (chunk_rows.integer), and fp8 heads that attend_fp8.h takes on sixteen
@@ -690,20 +690,6 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
         }
     }
     return 0;
-}
-
-/* The contiguous case: every row at position `pos` of a cache [batch, kv_heads, capacity,
- * head_dim], which is a pool of `batch` blocks of `capacity` tokens, row r owning block r.
- * Returns llama_paged_decode_step's codes (-2 when `pos` is outside the cache). */
-int llama_decode_step(const llama_model *m, int batch, int capacity, int pos, float *x, float *logits,
-                      kvlab_arena *arena) {
-    if (batch < 1 || pos < 0 || pos >= capacity) return -2;
-    int32_t *rows = malloc(2 * (size_t)batch * sizeof(int32_t)); /* positions, then the one-block tables */
-    if (!rows) return -1;
-    for (int r = 0; r < batch; r++) rows[r] = pos, rows[batch + r] = r;
-    const int status = llama_paged_decode_step(m, batch, rows, rows + batch, 1, capacity, batch, x, logits, arena);
-    free(rows);
-    return status;
 }
 
 /* Test hooks: the stores' quantisers alone, so tests can hold them to PyTorch's byte for byte. */
