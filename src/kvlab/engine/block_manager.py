@@ -73,8 +73,8 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Ids of the cached blocks holding a prefix of `seq` (never its last token, whose logits are needed)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # a request asking for prompt log-probabilities reads every prompt row itself
         ids, previous, found = seq.all_ids, None, []
         for b in range((len(ids) - 1) // self.block_size):
             tokens = tuple(ids[b * self.block_size:(b + 1) * self.block_size])

@@ -20,7 +20,10 @@ from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.detokenizer import Detokenizer
 from kvlab.engine.errors import RequestError
+from kvlab.engine.logits_process import LogitsProcessor
+from kvlab.engine.memory_budget import utilization_budget
 from kvlab.engine.outputs import StepDelta
+from kvlab.engine.parallel_sampling import HeldSiblings, child_id, child_params
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -53,6 +56,11 @@ class EngineConfig:
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
     kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
     sink_tokens: int = 0
+    # vLLM's flags with their CPU meaning (kvlab.engine.memory_budget): the fraction of host memory kvlab may
+    # use (weights included; the pool gets the rest), and one process (tensor / pipeline parallel 1)
+    gpu_memory_utilization: Optional[float] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
@@ -64,6 +72,13 @@ class EngineConfig:
                                f"{self.kv_window} and {self.sink_tokens}", "kv_window")
         if self.sink_tokens and self.kv_window is None:
             raise RequestError("--sink-tokens needs --kv-window", "sink_tokens")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                               "gpu_memory_utilization")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise RequestError(f"--{name.replace('_', '-')} {getattr(self, name)}: kvlab runs the model in one "
+                                   "CPU process, so only 1 is supported", name)
 
 
 def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
@@ -103,7 +118,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         if config.max_model_len and config.max_model_len > mc.max_seq_len:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
-        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
+        if config.kv_cache_memory:
+            budget = config.kv_cache_memory
+        elif config.gpu_memory_utilization is not None:  # vLLM's CPU reading of the flag (kvlab.engine.memory_budget)
+            budget = utilization_budget(config.gpu_memory_utilization, available_memory_bytes())
+        else:
+            budget = int(config.kv_cache_memory_fraction * available_memory_bytes())
         formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         draft = None
@@ -156,6 +176,12 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.on_finish: list[Callable[[Seq], None]] = []
+        # Issue 39's request extras: the runner asks this processor to change the sampled rows' logits
+        # (penalties, logit_bias, min_tokens, grammar masks), and `n`'s siblings wait in `held`.
+        self.logits_processor = LogitsProcessor(tokenizer, mc.vocab_size)
+        self.runner.logits_processor = self.logits_processor
+        self.on_finish.append(self.logits_processor.forget)
+        self.held = HeldSiblings()
         for line in self.capacity["log_lines"]:
             log.info(line)
 
@@ -182,18 +208,59 @@ class LLMEngine:
     def add_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, now: Optional[float] = None) -> Seq:
         params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: add several samples of one prompt with add_samples", "n")
         ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        self._check_extras(params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         seq = Seq(request_id, ids, params, self.clock() if now is None else now)
         self.scheduler.add(seq)  # refuses what can never fit
-        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
-                                     if self.tokenizer is not None else None)
+        self.logits_processor.start(request_id, params)
+        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                                      params.min_tokens) if self.tokenizer is not None else None)
         self.prompt_tokens_total += len(ids)
         return seq
+
+    def add_samples(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    request_id: Optional[str] = None, now: Optional[float] = None) -> list[Seq]:
+        """`params.n` samples of one prompt (vLLM's n), as sequences "{i}_{request_id}" that share the
+        prompt's blocks (kvlab.engine.parallel_sampling); all are refused if one would be."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        first = self.add_request(prompt, child_params(params, 0), child_id(request_id, 0), now)
+        siblings = []
+        try:
+            for i in range(1, params.n):
+                sib_params, sib_id = child_params(params, i), child_id(request_id, i)
+                if sib_id in self.requests:
+                    raise RequestError(f"request id {sib_id!r} is already running", "request_id")
+                if sib_params.max_tokens is None:
+                    sib_params.max_tokens = first.params.max_tokens
+                seq = Seq(sib_id, list(first.prompt_ids), sib_params, first.arrival)
+                self.scheduler.check_fits(seq)
+                self.logits_processor.start(sib_id, sib_params)
+                self.requests[sib_id] = (seq, Detokenizer(self.tokenizer, seq.prompt_ids, sib_params.stop,
+                                                          sib_params.include_stop_str_in_output,
+                                                          sib_params.min_tokens) if self.tokenizer is not None
+                                         else None)
+                self.prompt_tokens_total += len(seq.prompt_ids)
+                siblings.append(seq)
+        except Exception:
+            for seq in [first] + siblings:
+                self.abort(seq.request_id)
+            raise
+        self.held.hold(first, siblings)
+        return [first] + siblings
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        """Refuse the request extras this engine cannot apply (RequestError, HTTP 400)."""
+        if self.speculative is not None and (params.processed or params.prompt_logprobs is not None):
+            raise RequestError("penalties, logit_bias, min_tokens, structured outputs and prompt_logprobs are not "
+                               "supported with speculative decoding (--speculative-config)", "speculative_config")
+        self.logits_processor.check(params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (waiting or running) and free its blocks; unknown ids are ignored."""
@@ -202,7 +269,7 @@ class LLMEngine:
             self._finish(entry[0], "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.held.groups)
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached prefixes no request holds (the blocks stay free); how many blocks that was."""
@@ -214,7 +281,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.held)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -222,6 +289,7 @@ class LLMEngine:
         """One step. `now` (seconds) overrides the engine's clock: a simulator's virtual time."""
         virtual = now is not None
         now = now if virtual else self.clock()
+        self.held.release(self.scheduler)  # n's siblings join once their first sample's prompt is computed
         scheduled = self.scheduler.schedule(now)
         if not scheduled:
             return []
