@@ -243,8 +243,10 @@ class ChatCompletionRequest(_Sampling):
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                    "parameters": t.function.parameters},
                   "required": ["name", "parameters"]} for t in self.tools]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1,
-                                             "items": {"type": "object", "anyOf": calls}})
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        if self.parallel_tool_calls is False:  # only an explicit false opts out (OpenAI's default is true)
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
 
     def tool_calls(self, text: str) -> list[dict]:
         """The generated text as OpenAI's tool_calls (named: the arguments; required: a list of calls)."""
