@@ -117,8 +117,8 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if (missing := check_model(body.model)) is not None:
             return missing
-        prompt = chat_prompt(body.conversation())
         tools = body.tool_structure()
+        prompt = chat_prompt(body.conversation())
         top = body.top_logprobs if body.logprobs else None
         params = body.sampling(body.max_completion_tokens or body.max_tokens, (top or 0) if body.logprobs else None,
                                structured=tools)
