@@ -57,11 +57,12 @@ class LogitsProcessor:
 
     def apply(self, logits: torch.Tensor, seqs: Sequence) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits to sample from, logits for log-probabilities or None when those are the same) for one
-        step's sampled rows [rows, vocab], row i belonging to seqs[i]."""
+        step's sampled rows [rows, vocab], row i belonging to seqs[i]. `logits` is the caller's own copy
+        (the runner gathers the sampled rows into a new tensor): it is changed in place."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.processed]
         if not rows:
             return logits, None
-        logits = logits.float().clone()  # the caller's tensor is the model's output: never changed in place
+        logits = logits.float()
         constrained = [i for i in rows if seqs[i].request_id in self.tracked]
         if constrained:
             tracked = [self.tracked[seqs[i].request_id] for i in constrained]

@@ -181,13 +181,18 @@ class Tracked:
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], tracked: list[Tracked]) -> None:
-    """Set logits[row] to -inf wherever the row's grammar forbids the token (in place)."""
-    import llguidance.torch as lt
+    """Set logits[row] to -inf wherever the row's grammar forbids the token, in place.
+
+    llguidance fills one bit per token (its numpy helpers: its torch module is a torch.compile'd
+    function whose import alone takes seconds), and numpy's unpackbits turns them into booleans."""
+    import llguidance.numpy as ln
+    import numpy as np
 
     vocab = logits.shape[-1]
-    bitmask = lt.allocate_token_bitmask(len(rows), vocab)
+    bitmask = ln.allocate_token_bitmask(len(rows), vocab)
     for i, t in enumerate(tracked):
-        lt.fill_next_token_bitmask(t.matcher, bitmask, i)
-    sub = logits[rows]
-    lt.apply_token_bitmask_inplace(sub, bitmask)
-    logits[rows] = sub
+        ln.fill_next_token_bitmask(t.matcher, bitmask, i)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(np.bool_)
+    values = logits.numpy()  # the same memory: numpy's masked copy is 3x torch's masked_fill here
+    for i, row in enumerate(rows):
+        np.copyto(values[row], -np.inf, where=~allowed[i])
