@@ -142,3 +142,20 @@ def test_invalid_grammars_and_unsupported_combinations_are_refused(stories_model
     with pytest.raises(RequestError, match="speculative"):
         spec.add_request("x", SamplingParams(presence_penalty=1.0))
     assert_pool_free(engine)
+
+
+def test_llm_generate_takes_vllms_options():
+    """`LLM.generate` with SamplingParams(n=..., structured_outputs=..., prompt_logprobs=...), as in vLLM."""
+    require_module("llguidance")
+    from kvlab import LLM
+    from needs import STORIES
+
+    llm = LLM(str(STORIES), kv_cache_memory=400_000, block_size=8)
+    out = llm.generate([LONG, "One day"], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6,
+                                                         prompt_logprobs=1))
+    assert [len(o.outputs) for o in out] == [2, 2] and [c.index for c in out[0].outputs] == [0, 1]
+    assert out[0].request_id.startswith("req-") and out[0].prompt_logprobs[0] is None
+    assert len(out[0].prompt_logprobs) == len(out[0].prompt_token_ids)
+    picked = llm.generate("The cat", SamplingParams(max_tokens=5, guided_decoding=StructuredOutputsParams(
+        choice=["sat", "ran"])))
+    assert picked[0].outputs[0].text in ("sat", "ran")

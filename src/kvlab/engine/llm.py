@@ -80,7 +80,8 @@ class LLM:
             first = group[0]
             outputs = [CompletionOutput(i, "".join(texts[seq.request_id]), list(seq.output_ids), seq.finish_reason,
                                         seq.logprobs or None) for i, seq in enumerate(group)]
-            out.append(RequestOutput(first.request_id, p if isinstance(p, str) else None, first.prompt_ids, outputs,
+            request_id = first.request_id.split("_", 1)[1] if len(group) > 1 else first.request_id  # "0_req-3"
+            out.append(RequestOutput(request_id, p if isinstance(p, str) else None, first.prompt_ids, outputs,
                                      True, RequestMetrics(first.arrival, first.first_scheduled, first.first_token_time,
                                                           first.last_token_time, first.num_cached_prompt,
                                                           first.preemptions),

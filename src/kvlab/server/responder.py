@@ -83,9 +83,12 @@ class Responder:
             return self.error(f"the model failed on this request: {failed}", "InternalServerError", 500)
         out = [self._choice(c, firsts[c.prompt_index], ask) for c in sorted(choices.values(), key=lambda c: c.index)]
         completion = 0 if ask.echo_only else sum(c.tokens for c in choices.values())
-        return {"id": request_id, "object": "chat.completion" if ask.chat else "text_completion", "created": created,
-                "model": self.name, "choices": out,
-                "usage": usage(sum(len(s.prompt_ids) for s in firsts), completion)}
+        response = {"id": request_id, "object": "chat.completion" if ask.chat else "text_completion",
+                    "created": created, "model": self.name, "choices": out,
+                    "usage": usage(sum(len(s.prompt_ids) for s in firsts), completion)}
+        if ask.chat and ask.prompt_logprobs:  # vLLM puts a chat prompt's at the top, a completion's in each choice
+            response["prompt_logprobs"] = prompt_logprobs(self._prompt_entries(firsts[0]), self.piece)
+        return response
 
     def _choice(self, c: Choice, first, ask: Ask) -> dict:
         text = "".join(c.text)
@@ -103,7 +106,7 @@ class Responder:
             token_ids, entries = self._echoed(c, first, ask)
             choice["text"] = self._echo_text(c, ask) + ("" if ask.echo_only else text)
             choice["logprobs"] = completion_logprobs(token_ids, entries, self.piece) if ask.logprobs else None
-        if ask.prompt_logprobs:
+        if ask.prompt_logprobs and not ask.chat:
             choice["prompt_logprobs"] = prompt_logprobs(self._prompt_entries(first), self.piece)
         return choice
 
