@@ -23,7 +23,7 @@ from kvlab.engine.errors import RequestError
 from kvlab.engine.logits_process import LogitsProcessor
 from kvlab.engine.memory_budget import utilization_budget
 from kvlab.engine.outputs import StepDelta
-from kvlab.engine.parallel_sampling import HeldSiblings, child_id, child_params
+from kvlab.engine.parallel_sampling import HeldSiblings, add_samples
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -220,40 +220,20 @@ class LLMEngine:
         seq = Seq(request_id, ids, params, self.clock() if now is None else now)
         self.scheduler.add(seq)  # refuses what can never fit
         self.logits_processor.start(request_id, params)
-        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
-                                                      params.min_tokens) if self.tokenizer is not None else None)
+        self.requests[request_id] = (seq, self._new_detokenizer(seq))
         self.prompt_tokens_total += len(ids)
         return seq
 
     def add_samples(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
                     request_id: Optional[str] = None, now: Optional[float] = None) -> list[Seq]:
-        """`params.n` samples of one prompt (vLLM's n), as sequences "{i}_{request_id}" that share the
-        prompt's blocks (kvlab.engine.parallel_sampling); all are refused if one would be."""
-        request_id = request_id or f"req-{next(self._ids)}"
-        first = self.add_request(prompt, child_params(params, 0), child_id(request_id, 0), now)
-        siblings = []
-        try:
-            for i in range(1, params.n):
-                sib_params, sib_id = child_params(params, i), child_id(request_id, i)
-                if sib_id in self.requests:
-                    raise RequestError(f"request id {sib_id!r} is already running", "request_id")
-                if sib_params.max_tokens is None:
-                    sib_params.max_tokens = first.params.max_tokens
-                seq = Seq(sib_id, list(first.prompt_ids), sib_params, first.arrival)
-                self.scheduler.check_fits(seq)
-                self.logits_processor.start(sib_id, sib_params)
-                self.requests[sib_id] = (seq, Detokenizer(self.tokenizer, seq.prompt_ids, sib_params.stop,
-                                                          sib_params.include_stop_str_in_output,
-                                                          sib_params.min_tokens) if self.tokenizer is not None
-                                         else None)
-                self.prompt_tokens_total += len(seq.prompt_ids)
-                siblings.append(seq)
-        except Exception:
-            for seq in [first] + siblings:
-                self.abort(seq.request_id)
-            raise
-        self.held.hold(first, siblings)
-        return [first] + siblings
+        """`params.n` samples of one prompt (vLLM's n): sequences "{i}_{request_id}" sharing the prompt's
+        blocks (kvlab.engine.parallel_sampling); all are refused if one would be."""
+        return add_samples(self, prompt, params, request_id or f"req-{next(self._ids)}", now)
+
+    def _new_detokenizer(self, seq: Seq) -> Optional[Detokenizer]:
+        p = seq.params
+        return Detokenizer(self.tokenizer, seq.prompt_ids, p.stop, p.include_stop_str_in_output, p.min_tokens) \
+            if self.tokenizer is not None else None
 
     def _check_extras(self, params: SamplingParams) -> None:
         """Refuse the request extras this engine cannot apply (RequestError, HTTP 400)."""

@@ -44,7 +44,7 @@ class LogitsProcessor:
                 raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
                                    "logit_bias")
         if params.structured_outputs is not None:
-            self.grammars.matcher(params.structured_outputs)
+            self.grammars.grammar(params.structured_outputs)
 
     def start(self, request_id: str, params) -> None:
         """A constrained request's matcher, made when it is added (RequestError if its grammar is invalid)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.sequence import Sequence
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -50,3 +52,29 @@ class HeldSiblings:
             else:
                 keep.append((first, siblings))
         self.groups = keep
+
+
+def add_samples(engine, prompt, params: SamplingParams, request_id: str, now=None) -> list[Sequence]:
+    """LLMEngine.add_samples: the first sample is a request like any other; the siblings are checked
+    and registered (so they can be aborted, and count as waiting) but held until its prompt is computed."""
+    first = engine.add_request(prompt, child_params(params, 0), child_id(request_id, 0), now)
+    siblings: list[Sequence] = []
+    try:
+        for i in range(1, params.n):
+            sib_params, sib_id = child_params(params, i), child_id(request_id, i)
+            if sib_id in engine.requests:
+                raise RequestError(f"request id {sib_id!r} is already running", "request_id")
+            if sib_params.max_tokens is None:
+                sib_params.max_tokens = first.params.max_tokens
+            seq = Sequence(sib_id, list(first.prompt_ids), sib_params, first.arrival)
+            engine.scheduler.check_fits(seq)
+            engine.logits_processor.start(sib_id, sib_params)
+            engine.requests[sib_id] = (seq, engine._new_detokenizer(seq))
+            engine.prompt_tokens_total += len(seq.prompt_ids)
+            siblings.append(seq)
+    except Exception:
+        for seq in [first] + siblings:
+            engine.abort(seq.request_id)
+        raise
+    engine.held.hold(first, siblings)
+    return [first] + siblings

@@ -143,8 +143,9 @@ class Grammars:
                                               eos_token=self.tokenizer.eos_id)
         return self._ll
 
-    def matcher(self, params: StructuredOutputsParams):
-        """A fresh matcher for `params`; RequestError (HTTP 400) when the grammar is invalid."""
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """The validated grammar for `params` (compiled once per distinct constraint); RequestError (HTTP 400)
+        when it is invalid."""
         import llguidance
 
         key = json.dumps({f.name: getattr(params, f.name) for f in fields(params)}, sort_keys=True, default=str)
@@ -158,7 +159,13 @@ class Grammars:
             if len(self._compiled) > 256:  # bounded: a long-running server sees endless distinct schemas
                 self._compiled.clear()
             self._compiled[key] = grammar
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        return grammar
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher for `params`; RequestError (HTTP 400) when the grammar is invalid."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, self.grammar(params), log_level=0)
         if matcher.is_error():
             raise RequestError(f"structured_outputs.{params.kind} is not a valid constraint: {matcher.get_error()}",
                                "structured_outputs")
