@@ -71,7 +71,10 @@ def structured_lines(s: Optional[dict]) -> list[str]:
                   f"{c['free_median_ms']:.1f} ms free, {c['constrained_median_ms']:.1f} ms constrained, "
                   f"**{c['ratio']:.3f}x** (target at most {c['target_ratio']:.2f}x: {verdict}). Per run, free "
                   f"{', '.join(f'{x:.1f}' for x in c['free_step_ms'])} ms; constrained "
-                  f"{', '.join(f'{x:.1f}' for x in c['constrained_step_ms'])} ms.", ""]
+                  f"{', '.join(f'{x:.1f}' for x in c['constrained_step_ms'])} ms."
+                  + (" The machine's 1-minute load average was {:.1f} before and {:.1f} after: other work shared "
+                     "it, so compare the ratio, not the step times.".format(*c["load_average_1m"])
+                     if "load_average_1m" in c else ""), ""]
     return lines
 
 
