@@ -202,7 +202,7 @@ def step_cost(model: str, rows: int, repeats: int, steps: int, threads: int) -> 
                     times.append(time.perf_counter() - t)
         finished_early = sum(s.finish_reason != "length" for s in seqs)
         if finished_early:
-            raise RuntimeError(f"{finished_early} {kind} requests ended before max_tokens: the steps are not comparable")
+            raise RuntimeError(f"{finished_early} {kind} requests ended before max_tokens: steps not comparable")
         return times
 
     import os

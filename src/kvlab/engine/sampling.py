@@ -51,7 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL's: a prompt or output token's logit divided (if > 0) or multiplied by it
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (-100..100)
     min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings ignored, before this many tokens
-    prompt_logprobs: Optional[int] = None  # each prompt token's log-probability and the top-N (kvlab.engine.prompt_logprobs)
+    prompt_logprobs: Optional[int] = None  # each prompt token's log-probability and top-N (engine.prompt_logprobs)
     structured_outputs: Optional[StructuredOutputsParams] = None  # a grammar the output must follow
     guided_decoding: Optional[StructuredOutputsParams] = None  # vLLM's older name for structured_outputs
 
