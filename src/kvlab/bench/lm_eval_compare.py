@@ -36,7 +36,7 @@ SHARED = Path(__file__).resolve().parents[3].parent / "shared"
 
 def lm_eval_command(base_url: str, model: str, tasks_dir: str, batch_size: int = 8) -> str:
     """The lm_eval command line a user runs for the same evaluation."""
-    return (f"lm_eval --model local-completions --model_args model={model},base_url={base_url}/v1/completions,"
+    return (f"lm_eval run --model local-completions --model_args model={model},base_url={base_url}/v1/completions,"
             f"tokenizer_backend=remote,batch_size={batch_size},max_retries=1,timeout=3600 "
             f"--include_path {tasks_dir} --tasks {CLOZE_TASK},{PASSKEY_TASK} --log_samples --output_path OUT")
 
