@@ -29,7 +29,7 @@ def test_lm_eval_pairs_give_the_largest_per_item_difference(tmp_path):
     (tmp_path / "lm_eval.json").write_text(json.dumps(result))
     page = render(tmp_path)
     assert "| kvlab vs vllm | 2.60e+00 |" in page and "| vllm | 0.500 | 1.000 | 10 |" in page
-    assert "lm_eval --model local-completions" in page
+    assert "lm_eval run --model local-completions --model_args model=m,base_url=http://127.0.0.1:8000" in page
 
 
 def test_structured_and_plain_sections_state_their_targets(tmp_path):

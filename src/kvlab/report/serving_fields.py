@@ -16,7 +16,7 @@ def lm_eval_lines(r: Optional[dict]) -> list[str]:
     lines = ["## lm-evaluation-harness: kvlab serve against vLLM's server", ""]
     if r is None:
         return lines + ["Not measured yet: `PIECES=lmeval scripts/serving_report.sh`.", ""]
-    from kvlab.bench.lm_eval_compare import table
+    from kvlab.bench.lm_eval_compare import lm_eval_command, table
     lines += [f"lm-eval 0.4.13's `local-completions` model against each server in turn, on two tasks built from "
               f"the ../shared novels ({r['tasks'].get('kvlab_novel_cloze', 0)} cloze items scored by log-likelihood, "
               f"four choices each: `echo`, `logprobs`, `max_tokens` 0 as lm-eval sends them; "
@@ -29,8 +29,9 @@ def lm_eval_lines(r: Optional[dict]) -> list[str]:
               "of float32 sums (a few 1e-5 nats over a hundred tokens); kvlab's default also rounds activations to "
               f"int16, which moves them more. Measured at {provenance_text(r)}:", "", "```bash",
               "python -m kvlab.bench.lm_eval_compare --json reports/serving/lm_eval.json", "```", "",
-              "A user's command for one server (the tasks' YAML are in the directory the module prints):", "",
-              "```bash", next(iter(r["servers"].values()))["lm_eval_command"], "```", "", table(r), ""]
+              "A user's command for a server on port 8000, with the tasks written to `tasks/` "
+              "(`kvlab.evals.lm_eval_tasks.write_tasks`):", "",
+              "```bash", lm_eval_command("http://127.0.0.1:8000", r["model"], "tasks"), "```", "", table(r), ""]
     return lines
 
 
