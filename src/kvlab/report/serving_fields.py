@@ -54,8 +54,9 @@ def structured_lines(s: Optional[dict]) -> list[str]:
             else:
                 lines.append(f"| {name} | {r['compile_s'] * 1e3:.1f} ms | {r['fill_s'] * 1e3:.2f} ms | "
                              f"{r['apply_s'] * 1e3:.2f} ms |")
-        lines += ["", "kvlab uses llguidance (its apply step here is kvlab's own numpy unpacking, as in the engine).",
-                  ""]
+        lines += ["", "kvlab uses llguidance (its apply step here is kvlab's own numpy unpacking, as in the engine)."
+                  + (f" This table: {provenance_text({'provenance': s['backends_provenance']})}; "
+                     f"{s.get('backends_note', '')}." if "backends_provenance" in s else ""), ""]
     v = s.get("validity")
     if v:
         verdict = "met" if v["valid"] == v["answers"] else "not met"
