@@ -26,6 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
                        help=f"pool size as a fraction of the machine's available memory "
                             f"(default {DEFAULT_MEMORY_FRACTION})")
+    cache.add_argument("--gpu-memory-utilization", type=positive_float, metavar="FRACTION",
+                       help="vLLM's flag with its CPU meaning: the fraction of the machine's memory kvlab may use, "
+                            "the model included; the pool gets what is left once the model is loaded")
     cache.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}: longer runs read faster on CPUs)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -42,6 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-model-len", type=positive_int, help="prompt + output limit (default: the model's)")
     sched.add_argument("--max-wait-ms", type=float, default=0.0,
                        help="hold new requests until the batch is full or the oldest waited this long (default 0)")
+    sched.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="vLLM's flag: kvlab runs one CPU process, so only 1 (the default) is accepted")
+    sched.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                       help="vLLM's flag: only 1 (the default) is accepted")
     sched.add_argument("--seed", type=int, default=0, help="seed for requests that set none (default 0)")
     sched.add_argument("--no-fused", dest="fused", action="store_false",
                        help="run every step module by module (the reference path)")
@@ -63,5 +70,7 @@ def engine_from_args(args: argparse.Namespace):
                           max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused,
                           speculative_config=args.speculative_config, kv_window=args.kv_window,
-                          sink_tokens=args.sink_tokens)
+                          sink_tokens=args.sink_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size)
     return LLMEngine(model, tokenizer, config)

@@ -12,6 +12,7 @@ from kvlab.plan.errors import PlanError
 EXAMPLES = """examples:
   kvlab generate stories260k --prompt "Once upon a time" --max-tokens 40 --temperature 0
   kvlab generate smollm2-135m --chat --prompt "What is a KV cache?" --max-tokens 80
+  kvlab generate smollm2-135m --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1
   kvlab generate smollm2-135m --prompt "The capital of France is" --kv-heads 1 --kv-cache-dtype int8
 """
 
@@ -26,6 +27,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    """A probability in (0, 1], as --top-p takes it (vLLM's range for top_p)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens at most (default 64)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens")
+    parser.add_argument("--top-p", type=unit_interval, default=1.0,
+                        help="sample among the likeliest tokens whose probability reaches P (nucleus; default 1 = off)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.set_defaults(run=run)
@@ -81,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.chat:
         write(tokenizer.decode(ids))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
-                            seed=args.seed)
+                            top_p=args.top_p, seed=args.seed)
     seq = engine.add_request(ids, params)
     with torch.inference_mode():
         while engine.has_unfinished():

@@ -101,8 +101,8 @@ class BlockManager:
         """The longest cached prefix of `seq` in whole blocks (never its last token, whose logits are
         needed) and each group's table for it (RELEASED where a windowed group needs no block)."""
         empty: list[list[int]] = [[] for _ in self.groups]
-        if not self.enable_prefix_caching:
-            return 0, empty
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0, empty  # a request asking for prompt log-probabilities reads every prompt row itself
         ids, previous, names = seq.all_ids, None, []
         for b in range((len(ids) - 1) // self.block_size):
             tokens = tuple(ids[b * self.block_size:(b + 1) * self.block_size])

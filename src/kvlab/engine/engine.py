@@ -20,7 +20,10 @@ from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.detokenizer import Detokenizer
 from kvlab.engine.errors import RequestError
+from kvlab.engine.logits_process import LogitsProcessor
+from kvlab.engine.memory_budget import utilization_budget
 from kvlab.engine.outputs import StepDelta
+from kvlab.engine.parallel_sampling import HeldSiblings, add_samples
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -54,6 +57,11 @@ class EngineConfig:
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
     kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
     sink_tokens: int = 0
+    # vLLM's flags with their CPU meaning (kvlab.engine.memory_budget): the fraction of host memory kvlab may
+    # use (weights included; the pool gets the rest), and one process (tensor / pipeline parallel 1)
+    gpu_memory_utilization: Optional[float] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
@@ -65,6 +73,13 @@ class EngineConfig:
                                f"{self.kv_window} and {self.sink_tokens}", "kv_window")
         if self.sink_tokens and self.kv_window is None:
             raise RequestError("--sink-tokens needs --kv-window", "sink_tokens")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                               "gpu_memory_utilization")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise RequestError(f"--{name.replace('_', '-')} {getattr(self, name)}: kvlab runs the model in one "
+                                   "CPU process, so only 1 is supported", name)
 
 
 def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
@@ -100,7 +115,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         if config.max_model_len and config.max_model_len > mc.max_seq_len:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
-        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
+        if config.kv_cache_memory:
+            budget = config.kv_cache_memory
+        elif config.gpu_memory_utilization is not None:  # vLLM's CPU reading of the flag (kvlab.engine.memory_budget)
+            budget = utilization_budget(config.gpu_memory_utilization, available_memory_bytes())
+        else:
+            budget = int(config.kv_cache_memory_fraction * available_memory_bytes())
         formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         draft = None
@@ -164,6 +184,12 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.on_finish: list[Callable[[Seq], None]] = []
+        # Issue 39's request extras: the runner asks this processor to change the sampled rows' logits
+        # (penalties, logit_bias, min_tokens, grammar masks), and `n`'s siblings wait in `held`.
+        self.logits_processor = LogitsProcessor(tokenizer, mc.vocab_size)
+        self.runner.logits_processor = self.logits_processor
+        self.on_finish.append(self.logits_processor.forget)
+        self.held = HeldSiblings()
         for line in self.capacity["log_lines"]:
             log.info(line)
 
@@ -190,18 +216,39 @@ class LLMEngine:
     def add_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, now: Optional[float] = None) -> Seq:
         params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: add several samples of one prompt with add_samples", "n")
         ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        self._check_extras(params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         seq = Seq(request_id, ids, params, self.clock() if now is None else now)
         self.scheduler.add(seq)  # refuses what can never fit
-        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
-                                     if self.tokenizer is not None else None)
+        self.logits_processor.start(request_id, params)
+        self.requests[request_id] = (seq, self._new_detokenizer(seq))
         self.prompt_tokens_total += len(ids)
         return seq
+
+    def add_samples(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    request_id: Optional[str] = None, now: Optional[float] = None) -> list[Seq]:
+        """`params.n` samples of one prompt (vLLM's n): sequences "{i}_{request_id}" sharing the prompt's
+        blocks (kvlab.engine.parallel_sampling); all are refused if one would be."""
+        return add_samples(self, prompt, params, request_id or f"req-{next(self._ids)}", now)
+
+    def _new_detokenizer(self, seq: Seq) -> Optional[Detokenizer]:
+        p = seq.params
+        return Detokenizer(self.tokenizer, seq.prompt_ids, p.stop, p.include_stop_str_in_output, p.min_tokens) \
+            if self.tokenizer is not None else None
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        """Refuse the request extras this engine cannot apply (RequestError, HTTP 400)."""
+        if self.speculative is not None and (params.processed or params.prompt_logprobs is not None):
+            raise RequestError("penalties, logit_bias, min_tokens, structured outputs and prompt_logprobs are not "
+                               "supported with speculative decoding (--speculative-config)", "speculative_config")
+        self.logits_processor.check(params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (waiting or running) and free its blocks; unknown ids are ignored."""
@@ -210,7 +257,7 @@ class LLMEngine:
             self._finish(entry[0], "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.held.groups)
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached prefixes no request holds (the blocks stay free); how many blocks that was."""
@@ -222,7 +269,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.held)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -230,6 +277,7 @@ class LLMEngine:
         """One step. `now` (seconds) overrides the engine's clock: a simulator's virtual time."""
         virtual = now is not None
         now = now if virtual else self.clock()
+        self.held.release(self.scheduler)  # n's siblings join once their first sample's prompt is computed
         scheduled = self.scheduler.schedule(now)
         if not scheduled:
             return []

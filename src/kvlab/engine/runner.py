@@ -40,6 +40,7 @@ from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logit
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
+from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
 from kvlab.nn.kernels import prompts_on_float_gemm
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
@@ -63,6 +64,9 @@ class ModelRunner:
                  max_model_len: Optional[int] = None, draft_step=None) -> None:
         self.model, self.pool = model, pool
         self.generator = torch.Generator().manual_seed(seed)
+        # Penalties, logit_bias, min_tokens and grammar masks (kvlab.engine.logits_process), set by the
+        # engine; it leaves the rows of plain requests alone.
+        self.logits_processor = None
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
         fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
         self.fault_token = int(fault) if fault.lstrip("-").isdigit() else None
@@ -103,8 +107,9 @@ class ModelRunner:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
         else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
-            picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
-                     zip(ends, lens, drafts)]
+            # every row of a feed where drafts are verified or prompt log-probabilities asked for, else the last
+            picks = [list(range(int(end) - n, int(end))) if d or wants_prompt_rows(seq) else [int(end) - 1]
+                     for end, n, d, seq in zip(ends, lens, drafts, seqs)]
             flat = [r for rs in picks for r in rs]
             in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT and not prompts_on_float_gemm())
             if self.paged_step is not None and in_c:  # a row per token, in C
@@ -123,12 +128,17 @@ class ModelRunner:
             if drafts[i]:
                 out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
             else:
+                if seq.params.prompt_logprobs is not None:  # the rows read for this feed end at its last token
+                    record_prompt_logprobs(seq, logits[rows[i]], seq.num_computed + n - len(rows[i]))
                 seq.num_computed += n
                 if seq.num_computed == seq.num_tokens:
                     plain.append(i)
         if plain:
-            drawn = sample_rows(logits[[rows[i][-1] for i in plain]], [seqs[i].params for i in plain],
-                                [seqs[i].generator for i in plain], self.generator)
+            chosen, raw = logits[[rows[i][-1] for i in plain]], None
+            if self.logits_processor is not None:
+                chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
+            drawn = sample_rows(chosen, [seqs[i].params for i in plain],
+                                [seqs[i].generator for i in plain], self.generator, raw)
             for i, sampled in zip(plain, drawn):
                 out[i] = [sampled]
         return out

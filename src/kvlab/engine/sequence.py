@@ -48,6 +48,7 @@ class Sequence:
     last_token_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Optional[Sampled]] = field(default_factory=list)  # per prompt token, when asked
     generator: Optional[torch.Generator] = None
     error: Optional[str] = None
 
