@@ -8,7 +8,8 @@ from kvlab.cli import main
 from kvlab.engine import EngineConfig
 from kvlab.engine.errors import RequestError
 from kvlab.engine.memory_budget import utilization_budget
-from kvlab.nn.generate import sample, top_p_filter
+from kvlab.nn.generate import sample
+from kvlab.nn.sampling import top_p_filter
 
 from needs import STORIES, require_file
 

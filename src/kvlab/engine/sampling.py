@@ -22,9 +22,8 @@ import torch
 
 from kvlab.engine.errors import RequestError
 from kvlab.engine.structured import StructuredOutputsParams
-from kvlab.nn.generate import top_p_filter
-
-SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
+# the sampler itself is the one kvlab.nn.sampling holds (the lab's decode loop draws there too)
+from kvlab.nn.sampling import SAMPLING_EPS, Sampled, cut_logits, drawn, filtered_logits, sample_rows  # noqa: F401
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_N = 64  # samples per prompt: one request's samples always fit one batch of the default --max-num-seqs
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value; vLLM clamps to it, kvlab refuses beyond
@@ -145,78 +144,3 @@ def _token_biases(bias: dict) -> dict[int, float]:
                                "logit_bias")
         out[token] = float(value)
     return out
-
-
-@dataclass
-class Sampled:
-    """One row's draw: the token, its log-probability and, when asked, the top-N alternatives."""
-
-    token_id: int
-    logprob: Optional[float] = None
-    top_logprobs: Optional[list[tuple[int, float]]] = None
-    rank: Optional[int] = None  # 1 + how many tokens were likelier (vLLM's Logprob.rank)
-
-
-def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [V] scaled by temperature, with tokens outside top_k / top_p / min_p at -inf."""
-    return cut_logits(logits.float() / params.temperature, params)
-
-
-def cut_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits x [V] with tokens outside top_k / top_p / min_p at -inf: x itself
-    where the request cuts nothing."""
-    if params.top_k > 0 and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        x = top_p_filter(x, params.top_p)  # the smallest set of likeliest tokens whose mass reaches top_p
-    if params.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return x
-
-
-def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[Optional[torch.Generator]], default: torch.Generator,
-                raw: Optional[torch.Tensor] = None) -> list[Sampled]:
-    """One token per row of logits [S, V], each row with its own request's settings; log-probabilities
-    from `raw` where given (the logits before penalties and biases: kvlab.engine.logits_process).
-
-    The sampled rows are scaled and soft-maxed together, and the rows drawing from the engine's
-    own generator (no seed of their own) draw in one multinomial call, in row order: at 16 rows,
-    one softmax and one draw per row cost a sixth of a decode step here (SmolLM2's vocabulary
-    is 49,152 tokens). A seeded request draws alone, from its own generator."""
-    tokens = logits.argmax(dim=-1).tolist()
-    sampled = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled:
-        temperatures = torch.tensor([[params[row].temperature] for row in sampled], dtype=torch.float32)
-        x = logits[sampled].float() / temperatures
-        for i, row in enumerate(sampled):  # top_k / top_p / min_p, where a request asks for them
-            scaled = x[i]
-            cut = cut_logits(scaled, params[row])
-            if cut is not scaled:
-                x[i] = cut
-        probs = torch.softmax(x, dim=-1)
-        shared = [i for i, row in enumerate(sampled) if generators[row] is None]
-        if shared:
-            draws = torch.multinomial(probs[shared], 1, generator=default)[:, 0].tolist()
-            for i, token in zip(shared, draws):
-                tokens[sampled[i]] = token
-        for i, row in enumerate(sampled):
-            if generators[row] is not None:
-                tokens[row] = int(torch.multinomial(probs[i], 1, generator=generators[row]))
-    source = logits if raw is None else raw
-    return [drawn(token, source[row], p) for row, (token, p) in enumerate(zip(tokens, params))]
-
-
-def drawn(token: int, logits: torch.Tensor, params: SamplingParams) -> Sampled:
-    """`token` drawn from logits [V], with its log-probability and the top-N when the request asks."""
-    sampled = Sampled(token)
-    if params.logprobs is not None:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        sampled.logprob = float(logp[token])
-        sampled.rank = int((logp > logp[token]).sum()) + 1
-        if params.logprobs:
-            top = torch.topk(logp, params.logprobs)
-            sampled.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-    return sampled

@@ -21,6 +21,7 @@ import torch
 from kvlab.cache.pooled_rows import PooledRows
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import paged_step_for
+from kvlab.nn.sampling import Plain, sample_rows
 
 TokenCallback = Callable[[torch.Tensor], None]
 
@@ -30,28 +31,15 @@ def cache_for_generation(model: Decoder, batch: int, capacity: int, kv_cache_dty
     return model.new_cache(batch, capacity, kv_cache_dtype)
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Nucleus sampling's cut (Holtzman et al. 2019) on logits [..., V]: keep the smallest set of the likeliest
-    tokens whose probability reaches top_p, the rest at -inf (the engine's sampler uses this one too)."""
-    sorted_x, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_x, dim=-1)
-    before = probs.cumsum(-1) - probs  # mass strictly ahead of each token
-    return logits.scatter(-1, order, sorted_x.masked_fill(before >= top_p, float("-inf")))
-
-
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
            generator: Optional[torch.Generator] = None, top_p: float = 1.0) -> torch.Tensor:
-    """Next token ids [B] from logits [B,V]: argmax at temperature 0, else softmax(logits / T) cut to top_k, top_p."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        logits = top_p_filter(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """Next token ids [B] from logits [B,V], every row with the same settings, by the one sampler
+    (kvlab.nn.sampling, which the engine uses too): argmax at temperature 0, else softmax(logits / T)
+    cut to top_k and top_p."""
+    settings = Plain(temperature, top_k or 0, top_p)
+    rows = logits.shape[0]
+    drawn = sample_rows(logits, [settings] * rows, [None] * rows, generator or torch.default_generator)
+    return torch.tensor([d.token_id for d in drawn], dtype=torch.long)
 
 
 @torch.inference_mode()
