@@ -637,7 +637,7 @@ int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *posit
  * weights: 128 rows of a prompt would spend as much on scores nobody reads as on the layers.
  * hidden [rows, dim] (NULL: not wanted) receives every row's final hidden state, the residual
  * stream after the final norm (the vector the LM head reads, in fp32, before it is quantised):
- * the features an EAGLE or Medusa draft head (kvlab.draft.heads) drafts from. */
+ * the features an EAGLE draft head (kvlab.nn.eagle) drafts from. */
 int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                      int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
                      float *logits, float *hidden, kvlab_arena *arena) {
