@@ -240,7 +240,7 @@ class EagleTrainer:
             self.seconds += time.monotonic() - t0
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(out["loss"].detach()):.3f}", agree=f"{float(out['agree1']):.2f}")
+                bar.set_postfix(loss=f"{float(out['loss'].detach()):.3f}", agree=f"{float(out['agree1']):.2f}")
             if self.step % cfg.eval_every == 0 or self.done:
                 metrics = evaluate(self.head, self.t2d, self.val, self.embedding, cfg.window_len, cfg)
                 self.history.append({"step": self.step, "tokens": self.tokens, "train_loss": round(float(out["loss"].detach()), 4),
