@@ -19,6 +19,10 @@ Proposers (vLLM's `speculative_config` names):
   verification, so the self-draft needs no cache of its own.
 - "draft_model": a separate model sharing the tokenizer, with its own pool of the same
   blocks: one block table addresses both, so the pool's bytes per block count both caches.
+- "eagle": an EAGLE head (kvlab.nn.eagle, trained by `kvlab draft train --method eagle`) on the
+  target's own final hidden states, drafting from a reduced vocabulary mapped back to the
+  target's ids (kvlab.engine.eagle_proposer). It keeps no K/V: each sequence holds its last
+  `window` hidden states, and the head recomputes that band every round.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import SamplingParams, filtered_logits
 
-METHODS = ("ngram", "self", "draft_model")
+METHODS = ("ngram", "self", "draft_model", "eagle")
 
 
 @dataclass
@@ -73,8 +77,8 @@ class SpeculativeConfig:
             raise RequestError("num_speculative_tokens must be an integer from 1 to 16", "speculative_config")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise RequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-        if self.method == "draft_model" and not self.model:
-            raise RequestError('the "draft_model" method needs "model": a path or name', "speculative_config")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise RequestError(f'the "{self.method}" method needs "model": a path or name', "speculative_config")
 
 
 def ngram_proposal(ids: Sequence[int], k: int, low: int, high: int) -> list[int]:
