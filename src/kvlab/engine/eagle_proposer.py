@@ -37,9 +37,28 @@ def record_features(seq: Sequence, start: int, rows: torch.Tensor, window: int) 
     seq.draft_features = (start + drop, rows[drop:].float().clone())
 
 
+def packed_head(head: EagleHead) -> EagleHead:
+    """A copy whose matrices are Q8_0 (kvlab.nn.pack) where the C kernels exist: a draft round reads about a
+    quarter of the bytes (the 8,192-row LM head alone is 19 MB in fp32), and decode at batch 1 is bound by them.
+    Drafts only propose, so rounding the head changes acceptance, never the output."""
+    import copy
+
+    from kvlab.nn.ggml import QK, GGMLLinear
+    from kvlab.nn.kernels import kernels
+    from kvlab.nn.pack import q8_0_planes
+    if kernels() is None:
+        return head
+    packed = copy.deepcopy(head)
+    for name in ("fc", "qkv", "o", "gate_up", "down", "lm_head"):
+        layer = getattr(packed, name)
+        if layer.in_features % QK == 0:
+            setattr(packed, name, GGMLLinear(q8_0_planes(layer.weight)))
+    return packed.eval()
+
+
 class EagleProposer:
     def __init__(self, head: EagleHead, target) -> None:
-        self.head, self.target = head.eval(), target
+        self.head, self.target = packed_head(head.eval()), target
         self.window = head.config.window
 
     def context(self, seq: Sequence) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
