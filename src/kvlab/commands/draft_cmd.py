@@ -169,13 +169,22 @@ def run_train(args: argparse.Namespace) -> int:
 def save_draft(model, tokenizer, out: str, summary: dict) -> None:
     """The model directory, written beside `out` and renamed into place (an old one is replaced)."""
     from kvlab.checkpoints.hf import save_hf
+
+    def write(staging: Path) -> None:
+        save_hf(model.eval(), str(staging), tokenizer)
+        with open(staging / "kvlab_draft.json", "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    replace_directory(out, write)
+
+
+def replace_directory(out: str, write) -> None:
+    """`write(staging)` fills a temporary folder beside `out`, which is then renamed into place: a run
+    killed half way leaves the old directory (or none), never a half-written one."""
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
     try:
-        save_hf(model.eval(), str(staging), tokenizer)
-        with open(staging / "kvlab_draft.json", "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        write(staging)
         if target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".old-"))
             os.replace(target, old / target.name)

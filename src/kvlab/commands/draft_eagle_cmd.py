@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -109,19 +106,6 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 def write_head(head, out: str, summary: dict) -> None:
     """The head directory, written beside `out` and renamed into place (an old one is replaced)."""
+    from kvlab.commands.draft_cmd import replace_directory
     from kvlab.nn.eagle import save_head
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
-    try:
-        save_head(head.eval(), str(staging), {"kvlab_train": summary})
-        if target.exists():
-            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".old-"))
-            os.replace(target, old / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    replace_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))
