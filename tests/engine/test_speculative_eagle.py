@@ -141,3 +141,18 @@ def test_recorded_features_keep_the_window_and_roll_back():
     assert seq.draft_features[0] == 4 and seq.draft_features[1][:, 0].tolist() == [4, 5, 8]
     record_features(seq, 0, rows[:2], window=3)  # recomputed from the start (a preemption)
     assert seq.draft_features[0] == 0 and seq.draft_features[1][:, 0].tolist() == [0, 1]
+
+
+def test_disable_by_batch_size_drafts_only_in_smaller_batches(head):
+    model = Decoder(TARGET).eval()
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    _, want = outputs(model, None, PROMPTS, fused=False)
+    engine, got = outputs(model, spec, PROMPTS, fused=False)
+    assert got == want
+    alone, _ = outputs(model, spec, PROMPTS[:1], fused=False)
+    together = engine.spec_stats.num_drafts
+    assert alone.spec_stats.num_drafts > 0
+    # four requests of 20 tokens: drafts only once the batch has shrunk below two sequences
+    assert together <= alone.spec_stats.num_drafts + 20
+    busy, _ = outputs(model, {**spec, "disable_by_batch_size": 1}, PROMPTS[:1], fused=False)
+    assert busy.spec_stats.num_drafts == 0

@@ -175,7 +175,8 @@ class ModelRunner:
 
     def _propose(self, seqs: list[Sequence], decoding: list[bool]) -> tuple[list[list[int]], list]:
         spec = self.spec
-        budgets = [self._budget(seq) if dec else 0 for seq, dec in zip(seqs, decoding)]
+        busy = spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size
+        budgets = [self._budget(seq) if dec and not busy else 0 for seq, dec in zip(seqs, decoding)]
         if self.eagle is not None:
             return self.eagle.propose(seqs, budgets, self.generator)
         if spec.method == "ngram":

@@ -47,6 +47,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: Optional[str] = None
     num_layers: Optional[int] = None  # self-draft depth (default: a quarter of the target's layers)
+    # vLLM's: no drafts in a step whose batch holds at least this many sequences (where verifying
+    # extra rows costs more than the accepted tokens save; kvlab.bench.speculative says where)
+    disable_by_batch_size: Optional[int] = None
 
     @classmethod
     def parse(cls, value: Union[str, dict, "SpeculativeConfig", None]) -> Optional["SpeculativeConfig"]:
@@ -75,6 +78,9 @@ class SpeculativeConfig:
                                "speculative_config")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise RequestError("num_speculative_tokens must be an integer from 1 to 16", "speculative_config")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise RequestError("disable_by_batch_size must be a positive integer", "speculative_config")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise RequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
         if self.method in ("draft_model", "eagle") and not self.model:
