@@ -55,7 +55,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--speculative-config", metavar="JSON",
                        help='speculative decoding, as vLLM\'s: {"method": "ngram" | "self" | "draft_model" | '
                             '"eagle", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": .., '
-                            '"model": DRAFT (draft_model) or HEAD (eagle), "num_layers": L (self)}')
+                            '"model": DRAFT (draft_model) or HEAD (eagle), "num_layers": L (self), "disable_by_batch_size": N}')
 
 
 def engine_from_args(args: argparse.Namespace):
