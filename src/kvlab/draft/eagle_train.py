@@ -144,16 +144,24 @@ def make_batch(records, picks, length: int, embedding: torch.Tensor):
     return emb, hid, nxt, emb2, y1, y2
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over the targets >= 0; zero (not NaN) when a batch has none inside the draft vocabulary."""
+    keep = targets.flatten() >= 0
+    if not bool(keep.any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.flatten(0, 1)[keep], targets.flatten()[keep])
+
+
 def losses(head: EagleHead, t2d: torch.Tensor, batch, feature_weight: float, second_weight: float) -> dict:
     emb, hid, nxt, emb2, y1, y2 = batch
     valid = y1 >= 0
     feats, logits = head(emb, hid)
     d1 = torch.where(valid, t2d[y1.clamp_min(0)], -1)
-    ce1 = F.cross_entropy(logits.flatten(0, 1), d1.flatten(), ignore_index=-1)
+    ce1 = cross_entropy(logits, d1)
     reg = F.smooth_l1_loss(feats[valid], nxt[valid])
     _, logits2 = head(emb2, feats)
     d2 = torch.where(y2 >= 0, t2d[y2.clamp_min(0)], -1)
-    ce2 = F.cross_entropy(logits2.flatten(0, 1), d2.flatten(), ignore_index=-1)
+    ce2 = cross_entropy(logits2, d2)
     loss = ce1 + feature_weight * reg + second_weight * ce2
     agree1 = ((head.d2t[logits.argmax(-1)] == y1) & valid).sum() / valid.sum().clamp_min(1)
     valid2 = y2 >= 0
