@@ -54,3 +54,11 @@ def test_choices_outside_the_draft_vocabulary_are_skipped_by_the_loss():
     inside[inside >= 0] = 3
     out = losses(head, head.t2d(), batch[:4] + (inside, batch[5]), 0.5, 0.0)
     assert float(out["ce1"].detach()) > 0
+
+
+def test_answers_only_keeps_targets_inside_the_answer():
+    r = {**record(12), "answer_from": 7}
+    *_, y1, y2 = make_batch([r], [(0, 2)], 6, torch.randn(10, 4), answers_only=True)
+    # window position j: i = 2 + j; a_{i+1} scores x_{i+2}, kept when i + 2 >= 7; a_{i+2} when i + 3 >= 7
+    assert [int(v >= 0) for v in y1[0]] == [0, 0, 0, 1, 1, 1]
+    assert [int(v >= 0) for v in y2[0]] == [0, 0, 1, 1, 1, 1]

@@ -74,6 +74,10 @@ def run_train_eagle(args: argparse.Namespace) -> int:
     key = hashlib.sha256(json.dumps([corpus_config.key(), args.teacher, train_seqs, val_seqs + val_text],
                                     sort_keys=True).encode()).hexdigest()[:16]
     records = load_or_collect(work / "features.pt", model, train_seqs + val_seqs + val_text, key, args.progress)
+    val_at = len(train_seqs)  # corpus answers: where each answer starts (text pieces are all answer)
+    for record, source in zip(records[:len(train_records)] + records[val_at:val_at + len(val_records)],
+                              train_records + val_records):
+        record["answer_from"] = len(source["prompt_ids"])
     train = records[:len(train_seqs)]
     val_chat, val_txt = records[len(train_seqs):len(train_seqs) + len(val_seqs)], records[len(train_seqs) + len(val_seqs):]
     with torch.inference_mode():

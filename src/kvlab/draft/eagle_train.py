@@ -17,7 +17,8 @@ Loss, for a window of positions with inputs (embedding of x_{i+1}, h_i):
 - step 2 (HASS-style, at half weight): the head's own features fed back in place of the
   target's, with the next tokens, against a_{i+2}: what a second draft round sees.
 Held-out acceptance: the validation answers' greedy agreement at draft positions 1 and 2
-(head argmax in target ids == the target's argmax), the acceptance rate at temperature 0.
+(head argmax in target ids == the target's argmax) on answer tokens only, the acceptance rate at
+temperature 0 when the head's inputs are the target's own features (teacher-forced).
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ def windows(records: list[dict], length: int, rng: random.Random, count: int) ->
     return out
 
 
-def make_batch(records, picks, length: int, embedding: torch.Tensor):
-    """Inputs and targets for windows: emb(x_{i+1}), h_i, h_{i+1}, a_{i+1}, a_{i+2} (padded; mask)."""
+def make_batch(records, picks, length: int, embedding: torch.Tensor, answers_only: bool = False):
+    """Inputs and targets for windows: emb(x_{i+1}), h_i, h_{i+1}, a_{i+1}, a_{i+2} (padded; mask).
+    `answers_only` keeps the targets whose token is in the answer (a record's "answer_from" on): the
+    chat template's fixed system prompt is easy to predict and says nothing about drafting answers."""
     B = len(picks)
     dim = embedding.shape[1]
     emb = torch.zeros(B, length, dim)
@@ -141,6 +144,10 @@ def make_batch(records, picks, length: int, embedding: torch.Tensor):
         if m > 0:
             emb2[b, :m] = embedding[ids[s + 2:s + 2 + m]]
             y2[b, :m] = a[s + 2:s + 2 + m]
+        if answers_only:  # a_{i+1} scores x_{i+2}: position i + 2 must be an answer token
+            first = r.get("answer_from", 0)
+            y1[b, :span][torch.arange(s + 2, s + 2 + span) < first] = -1
+            y2[b, :max(m, 0)][torch.arange(s + 3, s + 3 + max(m, 0)) < first] = -1
     return emb, hid, nxt, emb2, y1, y2
 
 
@@ -179,7 +186,7 @@ def evaluate(head: EagleHead, t2d, records, embedding, length: int, cfg: EagleTr
     sums = {"ce1": 0.0, "agree1": 0.0, "agree2": 0.0}
     weight = 0
     for at in range(0, len(picks), 32):
-        out = losses(head, t2d, make_batch(records, picks[at:at + 32], length, embedding),
+        out = losses(head, t2d, make_batch(records, picks[at:at + 32], length, embedding, answers_only=True),
                      cfg.feature_weight, cfg.second_step_weight)
         n = out["positions"]
         for k in sums:
