@@ -29,6 +29,7 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.speculative import SpeculativeConfig
+from kvlab.nn.threads import ThreadGovernor, step_kind
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
@@ -179,6 +180,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
                                   self.max_model_len, draft_step)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
+        self.threads = ThreadGovernor()  # all threads on a quiet machine, one when the cores are shared
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -284,7 +286,8 @@ class LLMEngine:
         deltas: list[StepDelta] = []
         starts = [(seq.num_computed, seq.draft_computed) for seq in scheduled.seqs]
         try:
-            sampled = self.runner.run(scheduled)
+            with self.threads.step(step_kind(len(scheduled.seqs), sum(scheduled.num_tokens))):
+                sampled = self.runner.run(scheduled)
         except Exception as error:  # noqa: BLE001 - the failing requests fail; the engine and others go on
             log.exception("a model step failed")
             sampled = self._isolate(scheduled, starts, error, deltas)
