@@ -15,8 +15,8 @@ THROUGHPUT_HELP = "N random prompts through the engine at once: request and toke
 
 def add_parser(subparsers, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode or "
-                                                      "paged-decode"))
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode, "
+                                                      "paged-decode or shared-cpu"))
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
     add_engine_arguments(tp)
@@ -32,11 +32,13 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
                       help="skip llama.cpp's batched decode on the same GGUF (run when llama-cpp-python is installed)")
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
-    from kvlab.commands import bench_compare_cmd, bench_decode_cmd, bench_paged_cmd, bench_serve_cmd
+    from kvlab.commands import (bench_compare_cmd, bench_decode_cmd, bench_paged_cmd, bench_serve_cmd,
+                                bench_shared_cpu_cmd)
     bench_serve_cmd.add_parser(benches)
     bench_compare_cmd.add_parser(benches)
     bench_decode_cmd.add_parser(benches)
     bench_paged_cmd.add_parser(benches)
+    bench_shared_cpu_cmd.add_parser(benches)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
