@@ -16,3 +16,12 @@ def test_the_summary_is_medians_and_the_loaded_share_of_quiet():
     summary = summarise(figures)["measure"]
     assert summary["median"]["quiet"] == {"fixed": 110.0, "adaptive": 110.0}
     assert summary["loaded_share_of_quiet"] == {"fixed": 3.0 / 110.0, "adaptive": 55.0 / 110.0}
+
+
+def test_crossover_on_a_model_without_gguf_blocks_says_so(capsys):
+    from needs import STORIES, require_file
+
+    from kvlab.cli import main
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    assert main(["bench", "crossover", str(STORIES)]) == 0
+    assert "no GGUF-block matrices" in capsys.readouterr().out

@@ -123,8 +123,13 @@ def crossover(layer, cache_file: Optional[Path] = None) -> int:
     if isinstance(known.get(key), dict) and "crossover" in known[key]:
         _MEASURED[key] = int(known[key]["crossover"])
         return _MEASURED[key]
-    figures = measure(layer)
-    figures["time_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return remember(layer, measure(layer), path)
+
+
+def remember(layer, figures: dict, cache_file: Optional[Path] = None) -> int:
+    """Keep a measurement of `layer` (`measure`) for this process and the next; its crossover."""
+    key, path = _key(layer), Path(cache_file or CACHE_FILE)
+    figures = {**figures, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     known = _load(path)
     known[key] = figures
     try:
@@ -134,7 +139,7 @@ def crossover(layer, cache_file: Optional[Path] = None) -> int:
         os.replace(spare, path)  # readers never see half a file
     except OSError:
         pass  # a read-only home still gets the figure, just not remembered
-    _MEASURED[key] = figures["crossover"]
+    _MEASURED[key] = int(figures["crossover"])
     return _MEASURED[key]
 
 
