@@ -25,9 +25,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "library (torch/oneDNN on a dense copy, bf16 where the CPU has AMX or AVX-512 BF16), "
                             "auto (default: from the row count measured once per machine where the library wins)")
     cache = parser.add_argument_group("KV cache (one paged pool)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
-                       help="pool storage; auto = the activations' dtype. kivi2/kivi4 keep each running "
-                            "request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
+    cache.add_argument("--kv-cache-dtype", default=None, choices=POOL_KV_CACHE_DTYPES,
+                       help="pool storage (default: fp16 with fp32 activations, bf16 with bf16: the 16-bit "
+                            "precision checkpoints ship in, as vLLM's auto is the model's dtype; twice fp32's "
+                            "tokens at the same speed); auto = the activations' dtype. kivi2/kivi4 keep each "
+                            "running request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
@@ -65,8 +67,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             '"model": DRAFT (draft_model), "num_layers": L (self)}')
 
 
+def default_kv_cache_dtype(dtype: str) -> str:
+    """The pool's format when --kv-cache-dtype is not given: the 16-bit precision of the activations' family."""
+    return "bf16" if dtype == "bf16" else "fp16"
+
+
 def engine_from_args(args: argparse.Namespace):
     """The LLMEngine the flags describe (loads the model)."""
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = default_kv_cache_dtype(args.dtype)
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
 
