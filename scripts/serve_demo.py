@@ -63,7 +63,9 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        print("\n".join(f"[server] {line}" for line in lines if line.startswith("INFO kvlab")))
+        # where products run depends on this machine's measured crossover: logged, not shown here
+        print("\n".join(f"[server] {line}" for line in lines
+                        if line.startswith("INFO kvlab") and not line.startswith("INFO kvlab.engine: products:")))
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         options = dict(model=name, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
         if prompt is None:

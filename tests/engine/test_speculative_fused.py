@@ -63,3 +63,13 @@ def test_greedy_speculation_on_the_c_step_is_the_output_without(target, draft_di
     assert got == want
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_prompts_past_the_crossover_run_on_the_library_and_decode_the_same(target, monkeypatch):
+    """Prompt steps whose rows pass the crossover run module by module with library products (the
+    exact dense weights); decode steps stay in C. The tokens are the all-C run's."""
+    _, want = outputs(target)
+    monkeypatch.setenv("KVLAB_MATMUL_BACKEND", "library")
+    engine, got = outputs(target)
+    assert engine.runner._on_library(8) and not engine.runner._on_library(1)
+    assert got == want

@@ -235,16 +235,21 @@ def test_activation_quantiser_is_round_half_even_per_block():
     assert got["e8"].abs().max() > 0  # the int8 codes do lose something
 
 
-def test_prompts_on_a_float_gemm_machine_use_the_dequantised_matrix(monkeypatch):
-    """Where prompts_on_float_gemm() (AVX-512), prompt-sized products are fp32 on the exact weights:
-    no int16 rounding of the activations, so they match the dense product to fp32 noise."""
-    import kvlab.nn.ggml as ggml
+def test_products_past_the_crossover_run_in_the_library_on_the_exact_weights(monkeypatch):
+    """The library backend multiplies by the blocks' exact dense copy: in fp32 (AVX2 machines) no
+    int16 rounding of the activations, so it matches the dense product to fp32 noise; in bf16
+    (matrix engines) to bf16's rounding. One row stays in C whatever the setting."""
+    from kvlab.nn.matmul_backend import library_dtype
 
     planes = random_planes("q4_1", 96, 160, np.random.default_rng(6))
     layer, dense = GGMLLinear(planes), planes.dense()
-    x = torch.randn(ggml.PROMPT_ROWS, 160)
+    x = torch.randn(32, 160)
     expected = x @ dense.t()
-    monkeypatch.setattr(ggml, "prompts_on_float_gemm", lambda: True)
-    assert (layer(x) - expected).norm() / expected.norm() < 1e-6
-    monkeypatch.setattr(ggml, "prompts_on_float_gemm", lambda: False)
+    monkeypatch.setenv("KVLAB_MATMUL_BACKEND", "library")
+    tolerance = 1e-6 if library_dtype() == torch.float32 else 1e-2
+    assert (layer(x) - expected).norm() / expected.norm() < tolerance
+    assert layer.library_weight() is layer.library_weight()  # made once
+    one = layer(x[:1])
+    monkeypatch.setenv("KVLAB_MATMUL_BACKEND", "kernels")
     assert 1e-6 < (layer(x) - expected).norm() / expected.norm() < 2e-4  # the int16 kernel's rounding
+    assert torch.equal(layer(x[:1]), one)

@@ -15,8 +15,8 @@ THROUGHPUT_HELP = "N random prompts through the engine at once: request and toke
 
 def add_parser(subparsers, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode or "
-                                                      "paged-decode"))
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode, "
+                                                      "paged-decode, shared-cpu or crossover"))
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
     add_engine_arguments(tp)
@@ -32,11 +32,14 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
                       help="skip llama.cpp's batched decode on the same GGUF (run when llama-cpp-python is installed)")
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
-    from kvlab.commands import bench_compare_cmd, bench_decode_cmd, bench_paged_cmd, bench_serve_cmd
+    from kvlab.commands import (bench_compare_cmd, bench_crossover_cmd, bench_decode_cmd, bench_paged_cmd,
+                                bench_serve_cmd, bench_shared_cpu_cmd)
     bench_serve_cmd.add_parser(benches)
     bench_compare_cmd.add_parser(benches)
     bench_decode_cmd.add_parser(benches)
     bench_paged_cmd.add_parser(benches)
+    bench_shared_cpu_cmd.add_parser(benches)
+    bench_crossover_cmd.add_parser(benches)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -50,7 +53,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         print(f"kvlab bench: note: --max-num-seqs {args.max_num_seqs} < --num-prompts {args.num_prompts}; "
               "the rest wait their turn", file=sys.stderr)
     engine = engine_from_args(args)
-    for line in engine.capacity_lines:
+    for line in engine.capacity_lines + [engine.products_line]:
         print(f"[kvlab] {line}", file=sys.stderr)
     tok = engine.tokenizer
     special = special_ids(tok)
@@ -66,7 +69,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     result = {"benchmark": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
               "max_num_seqs": args.max_num_seqs, "block_size": engine.config.block_size,
-              "capacity_lines": engine.capacity_lines,
+              "capacity_lines": engine.capacity_lines, "products": engine.products_line,
               "batched": run_engine(engine, prompts, args.output_len, progress=bar)}
     if bar is not None:
         bar.close()

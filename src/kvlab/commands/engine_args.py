@@ -7,6 +7,7 @@ import argparse
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
+from kvlab.nn.matmul_backend import BACKENDS, set_backend
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
 
@@ -16,11 +17,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
                        help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
     model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
-    model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    model.add_argument("--threads", type=positive_int,
+                       help="torch CPU threads, every step (default: all, or one per step where that has been "
+                            "faster lately: a shared machine; kvlab.nn.threads)")
+    model.add_argument("--matmul-backend", choices=BACKENDS, default=None,
+                       help="where products of many rows run: kernels (kvlab's C kernels on the GGUF blocks), "
+                            "library (torch/oneDNN on a dense copy, bf16 where the CPU has AMX or AVX-512 BF16), "
+                            "auto (default: from the row count measured once per machine where the library wins)")
     cache = parser.add_argument_group("KV cache (one paged pool)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
-                       help="pool storage; auto = the activations' dtype. kivi2/kivi4 keep each running "
-                            "request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
+    cache.add_argument("--kv-cache-dtype", default=None, choices=POOL_KV_CACHE_DTYPES,
+                       help="pool storage (default: fp16 with fp32 activations, bf16 with bf16: the 16-bit "
+                            "precision checkpoints ship in, as vLLM's auto is the model's dtype; twice fp32's "
+                            "tokens at the same speed); auto = the activations' dtype. kivi2/kivi4 keep each "
+                            "running request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
@@ -58,11 +67,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             '"model": DRAFT (draft_model) or HEAD (eagle), "num_layers": L (self), "disable_by_batch_size": N}')
 
 
+def default_kv_cache_dtype(dtype: str) -> str:
+    """The pool's format when --kv-cache-dtype is not given: the 16-bit precision of the activations' family."""
+    return "bf16" if dtype == "bf16" else "fp16"
+
+
 def engine_from_args(args: argparse.Namespace):
     """The LLMEngine the flags describe (loads the model)."""
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = default_kv_cache_dtype(args.dtype)
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
 
+    if args.matmul_backend:
+        set_backend(args.matmul_backend)
     model, tokenizer = load_for_engine(args.model, args.weights, args.dtype, args.threads)
     config = EngineConfig(kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction, block_size=args.block_size,

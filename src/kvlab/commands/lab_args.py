@@ -36,9 +36,10 @@ def load_from_args(args: argparse.Namespace):
     import torch
 
     from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.nn.threads import fix_threads
 
     if args.threads:
-        torch.set_num_threads(args.threads)
+        fix_threads(args.threads)
     if args.weights in ("gguf", "gguf-a8", "int4") and args.kv_heads:
         raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
     packing = args.weights

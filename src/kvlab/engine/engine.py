@@ -29,6 +29,8 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.speculative import SpeculativeConfig
+from kvlab.nn.matmul_backend import NEVER, backend, crossover, library_dtype
+from kvlab.nn.threads import ThreadGovernor, step_kind
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
@@ -103,6 +105,16 @@ def available_memory_bytes() -> int:
         pass
     import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class PlannedStep:
+    """A scheduled step between `LLMEngine.begin_step` and `end_step`: its sequences and token counts,
+    where each sequence started (to roll a failed step back) and the virtual time it was run at."""
+
+    scheduled: ScheduledStep
+    starts: list[tuple[int, int]]
+    now: Optional[float]
 
 
 class LLMEngine:
@@ -189,6 +201,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
                                   self.max_model_len, draft_step, head)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
+        self.threads = ThreadGovernor()  # all threads on a quiet machine, one when the cores are shared
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -202,6 +215,21 @@ class LLMEngine:
         self.held = HeldSiblings()
         for line in self.capacity["log_lines"]:
             log.info(line)
+        log.info(self.products_line)
+
+    @property
+    def products_line(self) -> str:
+        """Where this engine's products run (kvlab.nn.matmul_backend): logged at start-up, and in provenance."""
+        probe = self.runner.probe_layer()
+        if probe is None:
+            return "products: torch on the model's own weights (no GGUF blocks)"
+        setting = backend()
+        if setting != "auto":
+            return f"products: --matmul-backend {setting}"
+        rows = crossover(probe)  # measured here the first time on this machine, then remembered
+        where = "never" if rows >= NEVER else f"from {rows} rows"
+        return (f"products: C kernels on the GGUF blocks; the library ({str(library_dtype())[6:]} copy) {where} "
+                f"(crossover measured on this machine for {probe.out_features}x{probe.in_features})")
 
     @property
     def capacity_lines(self) -> list[str]:
@@ -285,20 +313,39 @@ class LLMEngine:
 
     def step(self, now: Optional[float] = None) -> list[StepDelta]:
         """One step. `now` (seconds) overrides the engine's clock: a simulator's virtual time."""
+        planned = self.begin_step(now)
+        return [] if planned is None else self.end_step(planned, self.run_step(planned))
+
+    def begin_step(self, now: Optional[float] = None) -> Optional[PlannedStep]:
+        """Schedule the next step (None when nothing runs). The three parts of `step` let a server
+        take new requests while the model runs: `begin_step` and `end_step` change the engine's
+        state; `run_step` changes only the scheduled sequences and their blocks' contents, so
+        `add_request` may run beside it (not `abort`, which frees blocks: kvlab.server.async_engine)."""
         virtual = now is not None
         now = now if virtual else self.clock()
         self.held.release(self.scheduler)  # n's siblings join once their first sample's prompt is computed
         scheduled = self.scheduler.schedule(now)
         if not scheduled:
-            return []
-        deltas: list[StepDelta] = []
+            return None
         starts = [(seq.num_computed, seq.draft_computed) for seq in scheduled.seqs]
+        return PlannedStep(scheduled, starts, now if virtual else None)
+
+    def run_step(self, planned: PlannedStep) -> Union[list[list], Exception]:
+        """The model's part of a step: each sequence's draws, or the error it raised."""
+        scheduled = planned.scheduled
         try:
-            sampled = self.runner.run(scheduled)
+            with self.threads.step(step_kind(len(scheduled.seqs), sum(scheduled.num_tokens))):
+                return self.runner.run(scheduled)
         except Exception as error:  # noqa: BLE001 - the failing requests fail; the engine and others go on
             log.exception("a model step failed")
-            sampled = self._isolate(scheduled, starts, error, deltas)
-        done = now if virtual else self.clock()
+            return error
+
+    def end_step(self, planned: PlannedStep, sampled: Union[list[list], Exception]) -> list[StepDelta]:
+        """Append what the step drew, finish what stopped, hand back blocks: the step's deltas."""
+        scheduled, deltas = planned.scheduled, []
+        if isinstance(sampled, Exception):
+            sampled = self._isolate(scheduled, planned.starts, sampled, deltas)
+        done = planned.now if planned.now is not None else self.clock()
         for seq, draws in zip(scheduled.seqs, sampled):
             if seq.finished:  # failed alone in _isolate
                 continue

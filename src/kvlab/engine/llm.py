@@ -30,9 +30,10 @@ def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", thre
     import torch
 
     from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.nn.threads import fix_threads
 
     if threads:
-        torch.set_num_threads(threads)
+        fix_threads(threads)
     packing = weights
     if packing == "auto":
         from kvlab.nn.kernels import kernels

@@ -16,9 +16,10 @@ own at its own position (kvlab.nn.paged_decode, `PagedDecodeStep.feeds`); so are
 proposers' rounds: the self-draft as the C step cut to the target's first layers, a draft
 model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
 Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
-rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where prompts are not
-better off on PyTorch's fp32 GEMM (kvlab.nn.kernels.prompts_on_float_gemm); past that, and for a
-draft model's catch-up over a whole prompt, module by module.
+rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where the step's rows are
+fewer than the machine's measured crossover to the library's products (kvlab.nn.matmul_backend);
+past either, and for a draft model's catch-up over a whole prompt, module by module, where each
+product of that many rows goes to the library.
 
 Test hook: with KVLAB_FAULT_INJECT=ID in the environment, a step that feeds token ID from a
 prompt raises RuntimeError before the model runs, as a failing kernel would; the reliability
@@ -42,15 +43,15 @@ from kvlab.engine.sequence import Sequence
 from kvlab.engine.eagle_proposer import record_features
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
-from kvlab.nn.kernels import prompts_on_float_gemm
+from kvlab.nn.matmul_backend import uses_library
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
 # Up to this context, a step that reads prompt tokens runs them in the C step as rows of their own (every
 # decode row of the step with them). Each row there attends alone over its whole context, while the module
 # path's SDPA shares each key block among a tile of queries: past a few thousand tokens a prompt's rows cost
-# more in attention than in the weights. Where prompts multiply faster as fp32 (kvlab.nn.kernels.prompts_on_float_gemm),
-# steps with prompt tokens run module by module instead.
+# more in attention than in the weights. Where a step's rows multiply faster in the library (a crossover
+# measured per machine, kvlab.nn.matmul_backend), steps with prompt tokens run module by module instead.
 C_PROMPT_CONTEXT = 2048
 
 
@@ -69,6 +70,7 @@ class ModelRunner:
         # engine; it leaves the rows of plain requests alone.
         self.logits_processor = None
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
+        self._probe = None  # the product whose crossover decides where prompt steps run (_on_library)
         fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
         self.fault_token = int(fault) if fault.lstrip("-").isdigit() else None
         self.spec, self.draft_model, self.draft_pool = speculative, draft_model, draft_pool
@@ -117,7 +119,8 @@ class ModelRunner:
             picks = [list(range(int(end) - n, int(end))) if d or wants_prompt_rows(seq) else [int(end) - 1]
                      for end, n, d, seq in zip(ends, lens, drafts, seqs)]
             flat = [r for rs in picks for r in rs]
-            in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT and not prompts_on_float_gemm())
+            in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT
+                                     and not self._on_library(int(ends[-1])))
             if self.paged_step is not None and in_c:  # a row per token, in C
                 if self.eagle is not None:
                     hidden = torch.empty(int(ends[-1]), self.model.config.dim)
@@ -159,6 +162,20 @@ class ModelRunner:
             for i, sampled in zip(plain, drawn):
                 out[i] = [sampled]
         return out
+
+    def probe_layer(self):
+        """The product whose crossover decides where prompt steps run: the first layer's widest GGUF
+        matrix (its MLP's up projection), or None for a model without GGUF blocks."""
+        if self._probe is None:
+            from kvlab.nn.ggml import GGMLLinear
+            layers = [m for m in self.model.blocks[0].modules() if isinstance(m, GGMLLinear)]
+            self._probe = max(layers, key=lambda m: m.out_features * m.in_features) if layers else False
+        return self._probe or None
+
+    def _on_library(self, rows: int) -> bool:
+        """Whether a step of `rows` fed tokens multiplies faster in the library than in C."""
+        probe = self.probe_layer()
+        return probe is not None and uses_library(probe, rows)
 
     def _maybe_fault(self, step: ScheduledStep) -> None:
         for seq, n in zip(step.seqs, step.num_tokens):

@@ -22,6 +22,7 @@ from kvlab.cache.pooled_rows import PooledRows
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import paged_step_for
 from kvlab.nn.sampling import Plain, sample_rows
+from kvlab.nn.threads import ThreadGovernor
 
 TokenCallback = Callable[[torch.Tensor], None]
 
@@ -88,6 +89,7 @@ def generate(
         return logits
 
     prefill_end = time.perf_counter()
+    threads = ThreadGovernor()  # all threads on a quiet machine, one when the cores are shared
     steps = 0
     for step in range(max_new_tokens):
         next_ids = sample(logits, temperature, top_k, generator, top_p)
@@ -99,7 +101,8 @@ def generate(
             if bool(finished.all()):
                 break
         if step + 1 < max_new_tokens:
-            logits = decode(next_ids)
+            with threads.step(batch):
+                logits = decode(next_ids)
             steps += 1
     if stats is not None:
         stats.update(prefill_s=prefill_end - start, decode_s=time.perf_counter() - prefill_end, decode_steps=steps,

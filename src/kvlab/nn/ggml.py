@@ -25,8 +25,10 @@ matrices. The products run on a second copy of the weights, interleaved eight ou
 a time (csrc/ggml_gemm_x8.c): on the AMD EPYC (Zen 3, AVX2) this project ran on, SmolLM2's
 Q4_1 products of 16 rows went from about 26 to about 47 billion multiply-adds per second, of
 one to three rows 1.2-1.6x faster than row by row, and of 128 to 2,048 rows they match or
-pass PyTorch's fp32 GEMM on the dequantised matrix, without writing that matrix out (`prompts_on_float_gemm`
-says where prompts keep that GEMM). kvlab.nn.fused_decode runs a whole decode step on these blocks in one C call.
+pass PyTorch's fp32 GEMM on the dequantised matrix, without writing that matrix out. Where a
+library product is faster from some row count on (matrix engines), kvlab.nn.matmul_backend
+measures that crossover and sends those products there. kvlab.nn.fused_decode runs a whole
+decode step on these blocks in one C call.
 
 The C kernels, their build and the instruction set they run on are kvlab.nn.kernels'.
 """
@@ -39,12 +41,11 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from kvlab.nn.kernels import kernels, prompts_on_float_gemm
+from kvlab.nn.kernels import kernels
+from kvlab.nn.matmul_backend import library_dtype, library_product, uses_library
 
 QK = 32
-PROMPT_ROWS = 32  # where prompts_on_float_gemm(), from this many rows on a product dequantises for PyTorch's GEMM
 
 
 GROUP = {"q4_1": 32, "q8_0": 32, "q6_k": 16}  # weights per scale in each planes kind
@@ -210,13 +211,28 @@ class GGMLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One C call per layer per step: at batch 1 Python overhead is a real share of a step.
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        if flat.shape[0] >= PROMPT_ROWS and prompts_on_float_gemm():
-            return F.linear(flat, self.weight).view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if uses_library(self, flat.shape[0]):  # many rows, where the library is faster (matmul_backend)
+            y = library_product(flat, self.library_weight())
+        else:
+            y = self.kernel_product(flat)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [rows, in] fp32 times the blocks, in the C kernels: fp32 [rows, out]."""
         y = torch.empty(flat.shape[0], self.out_features)
         if kernels().ggml_linear(*self.planes(), *self.interleaved(), self.out_features, self.in_features, flat.shape[0],
                                  flat.data_ptr(), y.data_ptr()):
             raise MemoryError("ggml_linear could not allocate its activation buffers")
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y
+
+    def library_weight(self) -> torch.Tensor:
+        """The dense copy the library multiplies by (kvlab.nn.matmul_backend.library_dtype), made
+        once, the first time it is needed, and kept (not saved: the blocks are the weights)."""
+        copy = self.__dict__.get("_library_weight")
+        if copy is None:
+            copy = self.weight.to(library_dtype())
+            self.__dict__["_library_weight"] = copy
+        return copy
 
     @property
     def weight(self) -> torch.Tensor:

@@ -66,20 +66,6 @@ def kernels_unavailable() -> Optional[str]:
 
 
 @lru_cache(maxsize=1)
-def prompts_on_float_gemm() -> bool:
-    """Whether prompts (PROMPT_ROWS rows or more) should multiply as fp32 on the dequantised matrix.
-
-    Only where PyTorch has AVX-512 and the integer kernels do not have VNNI (Skylake-X and the
-    like): there PyTorch's fp32 GEMM has twice the lanes of the AVX2 kernels, and an earlier such
-    machine of this project prefilled SmolLM2 about 2.7 times faster through it. On the AVX2
-    EPYC this project also ran on, the kernels match that GEMM at 2,048 rows and beat it below;
-    on a Xeon with AVX-512 VNNI, SmolLM2's Q4_1 products of 128 and 512 rows ran at 127 and 116
-    billion multiply-adds per second on int16 activations and 186 and 190 on int8, against 115
-    for the fp32 GEMM with its dequantisation (one run, interleaved).
-    """
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and kernel_isa() != "avx512_vnni"
-
-
 def _compiler() -> Optional[str]:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 

@@ -1,9 +1,14 @@
 """The engine on a thread of its own, feeding each HTTP request's asyncio queue with its deltas.
 
 The engine is synchronous and steps as fast as the model allows; the server is asyncio. One
-background thread owns the engine: it takes new requests and aborts under a lock between
-steps, steps, and hands each delta to the event loop that waits for it
-(`call_soon_threadsafe`). Requests therefore join and leave the batch between steps, never
+background thread owns the engine and hands each delta to the event loop that waits for it
+(`call_soon_threadsafe`). A lock guards the engine's state, but not the model's run: the
+thread schedules a step under it (`LLMEngine.begin_step`), runs the model without it
+(`run_step`: the C step and torch release the GIL), and takes it again to append the tokens
+(`end_step`). So a new request is validated and queued while a step runs, and the event loop,
+which takes the lock to submit, never waits a whole step to do so. Aborts free blocks the
+running step may be writing, so an abort that arrives during a step is applied right after
+it (its stream is closed at once). Requests join and leave the batch between steps, never
 during one. When there is nothing to do the thread sleeps until woken (a new request) or
 until the scheduler's max-wait deadline.
 
@@ -43,7 +48,9 @@ class AsyncEngine:
         self.stream_interval = stream_interval
         self.held: dict[str, StepDelta] = {}  # per request, the tokens not sent yet (stream_interval > 1)
         self.started: set[str] = set()  # requests whose first token has been sent
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the engine's state (module doc)
+        self.stepping = False  # the model runs a step now (outside the lock)
+        self.deferred_aborts: list[str] = []  # aborts that arrived during that step
         self.wake = threading.Event()
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.stopping = False
@@ -94,21 +101,30 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """The client is gone (or the server stops): free the request's blocks now."""
         with self.lock:
-            self.engine.abort(request_id)
+            if self.stepping:
+                self.deferred_aborts.append(request_id)
+            else:
+                self.engine.abort(request_id)
             self.streams.pop(request_id, None)
             self.held.pop(request_id, None)
             self.started.discard(request_id)
 
     def reset_prefix_cache(self) -> int:
         """Between steps, as every change to the engine: see LLMEngine.reset_prefix_cache."""
-        with self.lock:
-            return self.engine.reset_prefix_cache()
+        while True:
+            with self.lock:
+                if not self.stepping:
+                    return self.engine.reset_prefix_cache()
+            time.sleep(0.001)
 
     def abort_all(self) -> None:
         with self.lock:
             self.stopping = True
             for request_id, (loop, queue) in list(self.streams.items()):
-                self.engine.abort(request_id)
+                if self.stepping:
+                    self.deferred_aborts.append(request_id)
+                else:
+                    self.engine.abort(request_id)
                 loop.call_soon_threadsafe(queue.put_nowait, StepDelta(request_id, finished=True,
                                                                       finish_reason="abort"))
             self.streams.clear()
@@ -147,7 +163,15 @@ class AsyncEngine:
                 if self.stopping and not self.engine.has_unfinished():
                     return
                 busy = self.engine.has_unfinished()
-                deltas = self.engine.step() if busy else []
+                planned = self.engine.begin_step() if busy else None
+                self.stepping = planned is not None
+            sampled = self.engine.run_step(planned) if planned is not None else None
+            with self.lock:
+                self.stepping = False
+                deltas = self.engine.end_step(planned, sampled) if planned is not None else []
+                for request_id in self.deferred_aborts:
+                    self.engine.abort(request_id)
+                self.deferred_aborts.clear()
                 if self.stream_interval > 1:
                     deltas = self._coalesce(deltas)
                 deliveries = [(self.streams.get(d.request_id), d) for d in deltas]
