@@ -84,6 +84,11 @@ def test_quick_study_end_to_end_and_resume_after_a_failure(shakespeare, tmp_path
     assert "## Discussion\n\nWritten by hand after the run." in (out / "README.md").read_text()
     assert read_json(out / "results.json") == results  # rendering changes no result
 
+    capsys.readouterr()
+    assert main(args[:-1]) == 0  # the README's form, without --json: resumes everything, prints the summary
+    printed = capsys.readouterr().out
+    assert "GQA study (quick)" in printed and "b4" in printed and "uptraining from MHA" in printed
+
 
 def test_bad_seeds_are_one_line_errors(capsys):
     assert main(["study", "gqa", "--quick", "--seeds", "0,x"]) == 2
@@ -104,3 +109,15 @@ def test_findings_call_small_differences_seed_noise():
     lines = "\n".join(quality(results))
     assert "gqa-2 vs mha: +0.0050" in lines and "within seed noise" in lines.split("gqa-2 vs mha")[1].split("\n")[0]
     assert "mqa vs mha: +0.0950" in lines and "worse than MHA" in lines
+
+
+def test_summary_prints_from_the_committed_results(capsys):
+    """The table `kvlab study gqa` prints at the end reads decode speed from the results' "decode" section
+    (measured once per variant); it once read a per-seed key that had moved, and every run crashed there."""
+    from kvlab.commands.study_cmd import print_summary
+
+    results = read_json(Path(__file__).resolve().parents[2] / "reports" / "gqa-study" / "results.json")
+    print_summary(results)
+    printed = capsys.readouterr().out
+    mha = next(line for line in printed.splitlines() if "mha" in line)
+    assert "681" in mha and "2,106" in mha  # reports/gqa-study's medians at batch 1 and 32
