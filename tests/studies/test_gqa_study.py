@@ -8,7 +8,7 @@ import pytest
 from kvlab.cli import main
 from kvlab.studies import gqa_measure
 from kvlab.studies.gqa_config import PRESETS, variants
-from kvlab.studies.store import read_json
+from kvlab.files import read_json
 from needs import SHAKESPEARE, require_file
 
 RUN_KEYS = {"variant", "kv_heads", "seed", "val_loss", "train_tokens_per_s", "history"}

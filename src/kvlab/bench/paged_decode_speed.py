@@ -40,7 +40,7 @@ from kvlab.cache.step import StepBatch
 from kvlab.checkpoints.resolve import load_checkpoint
 from kvlab.commands.bench_paged_cmd import BLOCK, HELP, add_arguments
 from kvlab.nn.paged_decode import PagedDecodeStep
-from kvlab.studies.store import write_json
+from kvlab.files import write_json
 
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,

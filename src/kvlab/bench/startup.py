@@ -202,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(line)
     if args.json_out:
         from kvlab.bench.provenance import provenance
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
 
         record = {"benchmark": "startup", "model": args.model, "gguf": gguf, "kvlab_executable": args.kvlab,
                   "runs": args.runs, "warmup": args.warmup,

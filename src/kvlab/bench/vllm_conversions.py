@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvlab.files import write_atomic
+
 PROMPTS = (("completion", "The capital of France is"), ("chat", "What is the capital of France?"))
 MAX_TOKENS = 16
 KV_SPACE_GIB = 1
@@ -270,15 +272,6 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Beside the target, then renamed over it: a reader never sees half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(handle, "w") as f:
-        f.write(text)
-    os.replace(staging, path)
-
-
 def _cell(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1].replace("|", "\\|")
 
@@ -305,11 +298,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = measure(names, args.vllm_python, not args.no_mla, args.budget_s)
         path = Path(args.json) if args.json else None
         if path:
-            from kvlab.studies.store import write_json
+            from kvlab.files import write_json
             write_json(path, result)
     text = render(result)
     if path:
-        _write_text(path.with_suffix(".md"), text)
+        write_atomic(path.with_suffix(".md"), text)
     print(text)
     ok = all(r.get("capacity_matches_plan") for r in result["variants"])
     return 0 if ok else 1

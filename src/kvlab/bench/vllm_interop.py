@@ -244,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"tokens {sorted(set(u['completion_tokens']))}")
     print("PASSED" if result["passed"] else "FAILED")
     if args.json:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(args.json, result)
     return 0 if result["passed"] else 1
 

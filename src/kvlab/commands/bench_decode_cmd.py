@@ -58,7 +58,7 @@ def run_decode(args: argparse.Namespace) -> int:
     from kvlab.bench.provenance import provenance
     from kvlab.bench.throughput import random_prompts, special_ids
     from kvlab.checkpoints.resolve import load_model, resolve_model_path
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
     from kvlab.commands.measure_cmd import weight_bytes_read
     from kvlab.train.progress import progress_bar
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 def render_only(out) -> int:
     from kvlab.plan.errors import PlanError
     from kvlab.report.gqa_report import write_report
-    from kvlab.studies.store import read_json
+    from kvlab.files import read_json
 
     if out is None:
         raise PlanError("--render-only needs --out DIR (the folder holding results.json)")

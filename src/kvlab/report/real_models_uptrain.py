@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.files import write_json
 
 STEPS, BATCH, BLOCK, SLICE = 160, 4, 128, 40  # 81,920 tokens; 28 min here (a step ~10 s), in slices of 7
 TRAIN_TEXT = "pride-and-prejudice.txt"
@@ -70,7 +71,5 @@ def run_slice(model: str, text: Path) -> dict:
     if code != 0:
         raise SystemExit("real_models: kvlab uptrain failed")
     report = json.loads(out.getvalue())  # its val_lm_loss_before is the conversion's: OUT changes only at the end
-    tmp = work_dir() / "uptrain.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(work_dir() / "uptrain.json")
+    write_json(work_dir() / "uptrain.json", report, indent=1)
     return report

@@ -12,12 +12,12 @@ from the measurements.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from kvlab.bench.vllm_interop import COMPARED
+from kvlab.files import write_atomic
 from kvlab.report.serving_cells import provenance_text, run_of
 from kvlab.report.serving_fields import lm_eval_lines, plain_lines, structured_lines
 from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
@@ -285,9 +285,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("folder", nargs="?", default="reports/serving", help="the report folder (reports/serving)")
     folder = Path(parser.parse_args(argv).folder)
     text = render(folder)
-    temp = folder / ".README.md.tmp"
-    temp.write_text(text)
-    os.replace(temp, folder / "README.md")
+    write_atomic(folder / "README.md", text)
     print(f"wrote {folder / 'README.md'}")
     return 0
 

@@ -10,9 +10,10 @@ remarks live in notes.md beside them and are appended as they are.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
+
+from kvlab.files import write_atomic
 
 LABELS = {
     "plan_file": "`kvlab plan FILE.gguf` to exit",
@@ -70,9 +71,7 @@ def render(folder: Path) -> str:
 
 def main(argv: list[str]) -> int:
     folder = Path(argv[0] if argv else "reports/startup")
-    temp = folder / ".README.md.tmp"  # then a rename: a reader never sees half a page
-    temp.write_text(render(folder))
-    os.replace(temp, folder / "README.md")
+    write_atomic(folder / "README.md", render(folder))
     print(f"wrote {folder / 'README.md'}")
     return 0
 

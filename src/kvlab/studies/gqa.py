@@ -23,7 +23,7 @@ from kvlab.nn.model import Decoder
 from kvlab.studies import gqa_measure as measure
 from kvlab.studies import provenance
 from kvlab.studies.gqa_config import Preset, Variant, fingerprint, train_config, uptrain_config, variants
-from kvlab.studies.store import read_json, write_json
+from kvlab.files import read_json, write_json
 from kvlab.train.data import CharCorpus, cache_dir, eval_batches, load_corpus
 from kvlab.train.loop import Trainer, mean_loss, validation_loss
 
