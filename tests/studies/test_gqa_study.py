@@ -71,7 +71,8 @@ def test_quick_study_end_to_end_and_resume_after_a_failure(shakespeare, tmp_path
         (m, k) for m in ("mean", "first", "random") for k in (2, 1)}
     assert all(UPTRAIN_KEYS <= set(u) and u["steps"] == 2 for u in results["uptraining"])
     prov = results["provenance"]
-    assert {"git", "versions", "machine", "seeds", "wall_seconds", "data"} <= set(prov)
+    assert {"git_commit", "git_dirty_files", "torch_version", "machine", "seeds", "wall_seconds", "data"} <= set(prov)
+    assert {"cpu", "cores", "torch_threads"} <= set(prov["machine"])  # kvlab.bench.provenance's one schema
     assert prov["data"]["sha256"] == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
     assert results["preset"]["n_heads"] == 8 and results["seeds"] == [0, 1]
     readme = (out / "README.md").read_text()

@@ -40,6 +40,26 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def code_and_machine(prov: dict) -> dict:
+    """What the report prints of a study's provenance, from either schema it has been written in.
+
+    New studies store kvlab.bench.provenance's record (git_commit, machine.cores, torch_version);
+    results.json files written before that carry the study's own (git{commit, changed_files},
+    machine.cpu_count, versions{}), and must still render byte for byte.
+    """
+    machine = prov["machine"]
+    if "git" in prov:  # the study's own schema, before the one provenance
+        git = prov["git"]
+        return {"commit": git.get("commit"), "changed": git.get("changed_files") or [],
+                "dirty_src": git.get("dirty_src"), "versions": prov["versions"], "cores": machine["cpu_count"],
+                "load_now": prov["load_average_now"]}
+    versions = {"python": prov.get("python_version"), "kvlab": prov.get("kvlab_version"),
+                "torch": prov.get("torch_version"), "transformers": prov.get("transformers_version")}
+    commit = prov.get("git_commit")
+    return {"commit": commit.removesuffix("+dirty") if commit else None, "changed": prov.get("git_dirty_files") or [],
+            "dirty_src": False, "versions": versions, "cores": machine["cores"], "load_now": prov.get("load_average")}
+
+
 def stages(prov: dict) -> str:
     parts = [f"{name} {minutes(sec)}" for name, sec in (prov.get("stage_seconds") or {}).items() if sec]
     return f": {', '.join(parts)}" if parts else ""
@@ -60,7 +80,7 @@ def render(results: dict, figures: dict, discussion: str | None = None) -> str:
         "Without `--data` the command reads `~/.cache/kvlab/tinyshakespeare.txt`, or downloads Tiny Shakespeare "
         "from char-rnn's GitHub and checks its sha256, so online it trains on the same bytes.", "",
         f"Wall time: **{minutes(prov['wall_seconds_all_invocations'])}** on {prov['machine']['cpu']} "
-        f"({prov['machine']['cpu_count']} cores, torch {prov['versions']['torch']}, "
+        f"({code_and_machine(prov)['cores']} cores, torch {code_and_machine(prov)['versions']['torch']}, "
         f"{plural(p['threads'] or prov['machine']['torch_threads'], 'thread')}){stages(prov)}.", "",
     ]
     lines += setup_section(results) + findings_section(results) + quality_section(results, figures)
@@ -240,22 +260,22 @@ def caveats_section(results: dict) -> list[str]:
 
 def provenance_section(results: dict) -> list[str]:
     prov = results["provenance"]
-    git = prov["git"]
-    commit = git.get("commit") or "unknown"
-    changed = git.get("changed_files") or []
+    code = code_and_machine(prov)
+    commit = code["commit"] or "unknown"
+    changed = code["changed"]
     dirty = (f" plus uncommitted changes to {', '.join(changed)}" if changed else
-             " (with uncommitted changes under src/)" if git.get("dirty_src") else "")
-    versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
+             " (with uncommitted changes under src/)" if code["dirty_src"] else "")
+    versions = ", ".join(f"{k} {v}" for k, v in code["versions"].items() if v)
     lines = ["## Provenance", "",
              f"- Code: commit `{commit}`{dirty}; {versions}.",
-             f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {prov['machine']['cpu_count']} "
+             f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {code['cores']} "
              "cores. Load average (1, 5, 15 min) is shown per invocation: the study itself adds about 1 (one "
              "thread); more means other jobs shared the machine."]
     for run in prov.get("earlier_invocations", []):
-        code = (run.get("git") or {}).get("commit") or "unknown"
-        lines.append(f"- Invocation started {run['started']}: {minutes(run['seconds'])}, code `{code[:12]}`, load "
+        ran = (run.get("git_commit") or (run.get("git") or {}).get("commit") or "unknown").removesuffix("+dirty")
+        lines.append(f"- Invocation started {run['started']}: {minutes(run['seconds'])}, code `{ran[:12]}`, load "
                      f"{run['load_average_start']} at start, {run['load_average_end']} at the end.")
     lines += [f"- Invocation started {prov['started']} (wrote this report): {minutes(prov['wall_seconds'])}, load "
-              f"{prov['load_average_start']} at start, {prov['load_average_now']} at the end.",
+              f"{prov['load_average_start']} at start, {code['load_now']} at the end.",
               "- Everything above is in `results.json` next to this file (runs, histories, every timing repeat).", ""]
     return lines
