@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvlab.files import write_atomic
+from kvlab.report.markdown import table
 
 LABELS = {
     "plan_file": "`kvlab plan FILE.gguf` to exit",
@@ -35,15 +36,14 @@ def _section(name: str, result: dict) -> list[str]:
              f"{result['runs']} cold runs each after {result['warmup']} warm-up round(s), medians in seconds; "
              f"{trees}; bytecode {result['bytecode']}; `{result['kvlab_executable']}`; "
              f"{prov['time_utc']}, {prov['machine']['cpu']} ({prov['machine']['cores']} cores), "
-             f"torch {prov['torch_version']}, Python {prov['python_version']}.", "",
-             "| figure | " + " | ".join(labels) + (f" | {labels[-1]} / {labels[0]} |" if len(labels) > 1 else " |"),
-             "|---|" + "---|" * (len(labels) + (len(labels) > 1))]
+             f"torch {prov['torch_version']}, Python {prov['python_version']}.", ""]
+    ratio = len(labels) > 1
+    rows = []
     for measure, figures in result["results"].items():  # older runs lack some measures: rows for those they have
         medians = figures["median_s"]
-        row = f"| {LABELS.get(measure, measure)} | " + " | ".join(f"{medians[label]:.3f}" for label in labels)
-        if len(labels) > 1:
-            row += f" | {medians[labels[-1]] / medians[labels[0]]:.2f}"
-        lines.append(row + " |")
+        rows.append([LABELS.get(measure, measure), *(f"{medians[label]:.3f}" for label in labels)]
+                    + ([f"{medians[labels[-1]] / medians[labels[0]]:.2f}"] if ratio else []))
+    lines += table(["figure", *labels] + ([f"{labels[-1]} / {labels[0]}"] if ratio else []), rows)
     lines.append("")
     return lines
 
