@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
-from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
+from kvlab.commands.args import add_model_flags, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
@@ -13,10 +13,7 @@ from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
-                       help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
-    model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
-    model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
+    add_model_flags(model)
     cache = parser.add_argument_group("KV cache (one paged pool)")
     cache.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
                        help="pool storage; auto = the activations' dtype. kivi2/kivi4 keep each running "

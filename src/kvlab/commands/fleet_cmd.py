@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, comma_list, non_negative_int, positive_float, \
+from kvlab.commands.args import add_model_flags, byte_size, comma_list, non_negative_int, positive_float, \
     positive_int
 from kvlab.commands.plan_args import add_model_arguments, add_speculative_arguments
 from kvlab.files import write_json
@@ -114,8 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                        help="also simulate these rates (figure: tails and cards against rate)")
     calib = parser.add_argument_group("calibrate (kvlab fleet calibrate MODEL)")
     calib.add_argument("--output", help="calibration file to write (default fleet-calibration.json)")
-    calib.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
-    calib.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES)
+    add_model_flags(calib, dtype=False)  # --dtype is the card's (fp16); calibration computes in fp32
     calib.add_argument("--batches", type=comma_list, default=["1", "4", "16", "32"], help="decode batch sizes")
     calib.add_argument("--contexts", type=comma_list, default=["64", "256"], help="decode contexts (tokens)")
     calib.add_argument("--chunks", type=comma_list, default=["16", "64", "128", "256", "512", "1024"],
