@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvlab.bench.cli_child import kvlab_cli
 from kvlab.files import write_atomic
 
 PROMPTS = (("completion", "The capital of France is"), ("chat", "What is the capital of France?"))
@@ -41,12 +42,6 @@ START_CAP_S = 480.0
 VARIANTS = {"original": None, "mqa": ["--kv-heads", "1"], "mha": ["--kv-heads", "9"]}
 CAPACITY = re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")
 REPORT = Path("reports/real-models/conversions.json")
-
-
-def kvlab_cli(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m kvlab ARGV` in a child, so a refusal is seen exactly as a user sees it (exit code, one line)."""
-    return subprocess.run([sys.executable, "-m", "kvlab", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
 
 
 def variant_dir(name: str, workdir: str) -> str:
@@ -81,7 +76,7 @@ def kvlab_greedy(directory: str, dtype: str) -> dict:
     import torch
 
     from kvlab.checkpoints.resolve import load_checkpoint
-    from kvlab.commands.generate_cmd import prompt_ids as ids_of
+    from kvlab.checkpoints.tokenizer import prompt_ids as ids_of
     from kvlab.nn.generate import generate
 
     loaded = load_checkpoint(directory, getattr(torch, dtype), "dense")
