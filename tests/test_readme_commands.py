@@ -219,9 +219,30 @@ def _needs(command: str) -> None:
         require_file(SHARED / "data" / "tinyshakespeare.txt", "../shared/data/tinyshakespeare.txt")
 
 
+def _outputs(command: str) -> list[str]:
+    words = shlex.split(command)
+    return [words[i + 1] for i, word in enumerate(words[:-1]) if word in ("-o", "--out")]
+
+
+def _run_producers(command: str, folder: Path) -> None:
+    """Run the earlier README commands that write what `command` reads (`kvlab convert ... -o X`, then
+    `kvlab uptrain X`) when X is not in the folder yet: with `-m slow`, the fast producer was deselected."""
+    words = set(shlex.split(command)[1:])
+    for earlier, _ in readme_commands():
+        if earlier == command:
+            return
+        for out in _outputs(earlier):
+            if out in words and not (folder / out).exists():
+                argv, env = _argv(earlier, folder)
+                done = subprocess.run(argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, timeout=900)
+                assert done.returncode == 0, f"`{earlier}` (making {out}) exited {done.returncode}:\n{done.stdout}"
+
+
 @pytest.mark.parametrize("command", [_param(c, compared) for c, compared in readme_commands()])
 def test_readme_command_runs(command: str, scratch: Path):
     _needs(command)
+    _run_producers(command, scratch)
     argv, env = _argv(command, scratch)
     if argv[3] == "serve":  # a server: ready, answers /health, exits 0 on SIGTERM
         server, _ = _serve(argv, env, scratch)
