@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import httpx  # noqa: E402
 
 from kvlab.bench.provenance import provenance  # noqa: E402
+from kvlab.files import write_json  # noqa: E402
 from kvlab.bench.serve_data import random_requests  # noqa: E402
 from kvlab.fleet.fleet import simulate  # noqa: E402
 from kvlab.fleet.results import summarise  # noqa: E402
@@ -221,11 +222,7 @@ def main() -> int:
                                                             "arrivals": "Poisson", "seed": args.seed},
               "targets": {"request_throughput": 0.10, "p95_ttft_ms": 0.25, "at": ["low", "medium"]},
               "rows": rows, "provenance": provenance()}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, args.out)
+    write_json(args.out, result)
     return 0
 
 

@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--render", action="store_true", help="write reports/mla-convert/README.md from the JSONs")
     args = parser.parse_args()
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
 
     if args.model:
         result = measure(args)

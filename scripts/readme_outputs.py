@@ -53,6 +53,33 @@ def blocks(text: str) -> list[tuple[int, int, list[tuple[str, str]]]]:
     return found
 
 
+ANY_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+COMMAND = re.compile(r"^(?:\$ )?((?:[A-Z_]+=\S+ )*kvlab \S.*)$")
+
+
+def shown_commands(text: str) -> list[tuple[str, list[str]]]:
+    """(fence language, [command]) for each fence of README.md showing `kvlab ...` commands, in order.
+
+    Every fence counts (```bash, ```console, ```text), with or without a `$ ` prompt; a trailing
+    `# comment` is dropped, `a; b` is two commands, leading VAR=value assignments stay. tests/test_readme_commands.py runs them.
+    """
+    found = []
+    for match in ANY_FENCE.finditer(text):
+        commands = []
+        for line in match.group(2).splitlines():
+            shown = COMMAND.match(line.strip())
+            if shown:
+                words = shlex.split(shown.group(1), comments=True)
+                while ";" in "".join(words):  # `kvlab a; kvlab b`: two commands on one line
+                    cut = next(i for i, w in enumerate(words) if w.endswith(";"))
+                    commands.append(shlex.join(words[:cut] + [words[cut][:-1]]))
+                    words = words[cut + 1:]
+                commands.append(shlex.join(words))
+        if commands:
+            found.append((match.group(1), commands))
+    return found
+
+
 def run(command: str) -> str:
     """What `command` prints on a terminal-less run, stdout and stderr interleaved as written."""
     argv = shlex.split(command)

@@ -2,7 +2,10 @@
 
 The order as built: plan (stdlib only) < cache < nn < train < checkpoints (which reads the
 trainer's checkpoint format) < engine < server; the fleet simulator and draft training sit on
-the engine, evaluations on the lab; bench, report, studies and the CLI sit on everything. A new upward import fails here, naming the file.
+the engine, evaluations on the lab; then bench (measures, writes JSON) < report (renders JSON)
+< studies (measure and report) < commands (the parsers) < cli. Every package has its place:
+a new upward import fails here, naming the file. (kvlab.files and kvlab.errors are stdlib-only
+modules every layer may use.)
 """
 
 import ast
@@ -23,6 +26,10 @@ ABOVE = {
     "fleet": {"server", "evals", "draft"} | TOP,
     "evals": {"engine", "server", "fleet", "draft"} | TOP,
     "draft": {"server", "fleet", "evals"} | TOP,
+    "bench": TOP - {"bench"},
+    "report": TOP - {"bench", "report"},
+    "studies": {"commands", "cli", "__main__"},
+    "commands": {"cli", "__main__"},
 }
 
 
@@ -43,6 +50,11 @@ def test_no_package_imports_a_layer_above_it(package):
     upward = {f"{path.relative_to(SRC)} imports kvlab.{name}"
               for path in files for name in kvlab_imports(path) & ABOVE[package]}
     assert not upward, sorted(upward)
+
+
+def test_every_package_has_a_place():
+    packages = {path.name for path in SRC.iterdir() if (path / "__init__.py").is_file()}
+    assert packages <= set(ABOVE) | {"cli", "__main__"}, sorted(packages - set(ABOVE))
 
 
 def test_the_rule_catches_an_upward_import(tmp_path):

@@ -18,6 +18,7 @@ from kvlab.nn.config import ModelConfig
 from kvlab.nn.kernels import using_kernel_isa
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
+from kvlab.plan.kv_formats import C_STEP_KV_CACHE_DTYPES, POOL_KV_CACHE_DTYPES
 from test_fused_decode import GQA, TOLERANCE, assert_close_to_scale, ggml_model
 from test_ggml import isas_here
 
@@ -359,3 +360,12 @@ def test_loading_a_library_whose_mirror_drifted_fails_loudly():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "refused:" in out.stdout, out.stdout + out.stderr
     assert "llama_model.lm_head is in C but missing from Short" in out.stdout
+
+
+@pytest.mark.parametrize("kv_cache_dtype", POOL_KV_CACHE_DTYPES)
+def test_the_format_table_says_which_pools_the_c_step_runs(kv_cache_dtype):
+    """kvlab.plan.kv_formats.KV_CACHE_DTYPE_PATHS' "c_step" column is what why_not_paged decides."""
+    model = ggml_model(LONG)
+    pool = KVPool.for_model(model.config, 8, 32, kv_cache_dtype, seats=2)  # KIVI: 32-token groups, residual seats
+    assert (why_not_paged(model, pool) is None) == (kv_cache_dtype in C_STEP_KV_CACHE_DTYPES), \
+        why_not_paged(model, pool)

@@ -8,7 +8,7 @@ import pytest
 from kvlab.cli import main
 from kvlab.studies import gqa_measure
 from kvlab.studies.gqa_config import PRESETS, variants
-from kvlab.studies.store import read_json
+from kvlab.files import read_json
 from needs import SHAKESPEARE, require_file
 
 RUN_KEYS = {"variant", "kv_heads", "seed", "val_loss", "train_tokens_per_s", "history"}
@@ -71,7 +71,8 @@ def test_quick_study_end_to_end_and_resume_after_a_failure(shakespeare, tmp_path
         (m, k) for m in ("mean", "first", "random") for k in (2, 1)}
     assert all(UPTRAIN_KEYS <= set(u) and u["steps"] == 2 for u in results["uptraining"])
     prov = results["provenance"]
-    assert {"git", "versions", "machine", "seeds", "wall_seconds", "data"} <= set(prov)
+    assert {"git_commit", "git_dirty_files", "torch_version", "machine", "seeds", "wall_seconds", "data"} <= set(prov)
+    assert {"cpu", "cores", "torch_threads"} <= set(prov["machine"])  # kvlab.bench.provenance's one schema
     assert prov["data"]["sha256"] == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
     assert results["preset"]["n_heads"] == 8 and results["seeds"] == [0, 1]
     readme = (out / "README.md").read_text()
@@ -83,6 +84,11 @@ def test_quick_study_end_to_end_and_resume_after_a_failure(shakespeare, tmp_path
     assert main(["study", "gqa", "--render-only", "--out", str(out)]) == 0
     assert "## Discussion\n\nWritten by hand after the run." in (out / "README.md").read_text()
     assert read_json(out / "results.json") == results  # rendering changes no result
+
+    capsys.readouterr()
+    assert main(args[:-1]) == 0  # the README's form, without --json: resumes everything, prints the summary
+    printed = capsys.readouterr().out
+    assert "GQA study (quick)" in printed and "b4" in printed and "uptraining from MHA" in printed
 
 
 def test_bad_seeds_are_one_line_errors(capsys):
@@ -104,3 +110,15 @@ def test_findings_call_small_differences_seed_noise():
     lines = "\n".join(quality(results))
     assert "gqa-2 vs mha: +0.0050" in lines and "within seed noise" in lines.split("gqa-2 vs mha")[1].split("\n")[0]
     assert "mqa vs mha: +0.0950" in lines and "worse than MHA" in lines
+
+
+def test_summary_prints_from_the_committed_results(capsys):
+    """The table `kvlab study gqa` prints at the end reads decode speed from the results' "decode" section
+    (measured once per variant); it once read a per-seed key that had moved, and every run crashed there."""
+    from kvlab.commands.study_cmd import print_summary
+
+    results = read_json(Path(__file__).resolve().parents[2] / "reports" / "gqa-study" / "results.json")
+    print_summary(results)
+    printed = capsys.readouterr().out
+    mha = next(line for line in printed.splitlines() if "mha" in line)
+    assert "681" in mha and "2,106" in mha  # reports/gqa-study's medians at batch 1 and 32

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvlab.files import write_json
+
 CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "bandwidth.json"
 BUFFER_BYTES = 256 * 2**20  # far beyond any CPU's last-level cache
 REPEATS = 7
@@ -51,8 +53,7 @@ def machine_bandwidth_gbs(refresh: bool = False, cache_file: Optional[Path] = No
     known[key] = {"gbs": round(gbs, 2), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "method": f"torch copy of {BUFFER_BYTES >> 20} MiB, best of {REPEATS}"}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=2))
+        write_json(path, known)
     except OSError:
         pass  # a read-only home still gets the figure, just not remembered
     return gbs, "measured now"

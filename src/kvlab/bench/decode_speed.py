@@ -1,7 +1,6 @@
 """Batch-1 greedy decode speed: kvlab against transformers `generate`, same weights, same run.
 
     kvlab bench decode MODEL --batch-1-race [--json PATH] [--new-tokens 128] [--repeats 3]
-    python -m kvlab.bench.decode_speed [--json PATH] [--new-tokens 128] [--repeats 3]   (the same)
 
 `kvlab bench decode` without --batch-1-race sweeps batch and context (kvlab.bench.decode_sweep).
 
@@ -19,18 +18,17 @@ the faster of the two.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from typing import Callable
+from types import SimpleNamespace
+from typing import Callable, Optional
 
 import torch
 
 from kvlab.bench.provenance import provenance
 from kvlab.checkpoints.resolve import PACKINGS, load_checkpoint, resolve_model_path
+from kvlab.files import write_json
 from kvlab.nn.generate import generate
 from kvlab.train.progress import progress_bar
 
@@ -84,16 +82,13 @@ def race(engines: dict[str, Callable[[], list[int]]], repeats: int) -> dict[str,
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.decode_speed", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--kvlab-weights", choices=PACKINGS, default="gguf")
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--json", metavar="PATH", help="also write the result here")
-    args = parser.parse_args(argv)
+def run_race(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 3, threads: Optional[int] = None,
+             kvlab_weights: str = "gguf", transformers: bool = True, json_path: Optional[str] = None) -> int:
+    """The race `kvlab bench decode MODEL --batch-1-race` runs (its flags: kvlab.commands.bench_decode_cmd)."""
+    if kvlab_weights not in PACKINGS:
+        raise ValueError(f"kvlab_weights must be one of {PACKINGS}, got {kvlab_weights!r}")
+    args = SimpleNamespace(model=model, new_tokens=new_tokens, repeats=repeats, threads=threads,
+                           kvlab_weights=kvlab_weights, skip_transformers=not transformers, json=json_path)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
@@ -139,11 +134,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvlab / transformers: {result['ratio_vs_best_transformers']:.2f}x the faster transformers run "
               f"({best['engine']}); {result['ratio_vs_transformers_fp32']:.2f}x transformers fp32")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -165,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = run(args.model, servers, cloze, passkey, args.threads, tasks_dir, args.vllm_python, args.batch_size)
     print(table(result))
     if args.json:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(Path(args.json), result)
         print(f"wrote {args.json}")
     return 0

@@ -2,7 +2,8 @@
 
     kvlab bench paged-decode [--repeats 15] [--rows 16] [--context 4096] [--threads N]
                              [--block-sizes 16,64] [--json PATH]
-    (or python -m kvlab.bench.paged_decode_speed with the same flags)
+
+(its flags are kvlab.commands.bench_paged_cmd's; this module measures and writes the JSON).
 
 Two measurements on SmolLM2-135M (Q4_1 GGUF blocks, fp32 activations), each a ratio within
 one run, the contenders taking turns so that load from other processes falls on all alike:
@@ -38,9 +39,10 @@ from kvlab.bench.provenance import provenance
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.checkpoints.resolve import load_checkpoint
-from kvlab.commands.bench_paged_cmd import BLOCK, HELP, add_arguments
 from kvlab.nn.paged_decode import PagedDecodeStep
-from kvlab.studies.store import write_json
+from kvlab.files import write_json
+
+BLOCK = 16  # the mixed-position step's blocks: vLLM's GPU default, so rows cross many block boundaries
 
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
@@ -125,13 +127,3 @@ def run(args: argparse.Namespace) -> dict:
         write_json(Path(args.json), result)
         print(f"wrote {args.json}")
     return result
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,6 @@ two engines take turns, and the figure is the median over the requests after the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -23,6 +22,7 @@ from kvlab.bench.throughput import random_prompts
 from kvlab.engine.engine import EngineConfig, LLMEngine
 from kvlab.engine.llm import load_for_engine
 from kvlab.engine.sampling import SamplingParams
+from kvlab.files import write_json
 
 
 def ttft_once(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{1000 * med['prefix_caching']:.0f} ms with prefix caching ({cached[True][-1]} prompt tokens from the "
           f"cache), {1000 * med['no_prefix_caching']:.0f} ms without: {result['speedup']:.1f}x")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0
 
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['status_counts']}; afterwards {r['server_after']}; RSS {r['rss_after_warmup_bytes'] / 2**20:.0f} -> "
           f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB")
     if args.json:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(args.json, r)
     return 0
 

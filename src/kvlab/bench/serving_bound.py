@@ -23,10 +23,11 @@ head), and each added row lengthens the step every decoding request waits for.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Optional
+
+from kvlab.files import write_json
 
 DECODE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
@@ -161,8 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"benchmark": "serving_bound", "model": args.model, "weights": args.weights, **costs,
               "provenance": provenance(args.threads)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
 

@@ -221,7 +221,7 @@ def contrasts(cells: list[dict]) -> list[str]:
 
 
 def write_report(result: dict, out: Path) -> None:
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)
     tmp = out / "README.md.tmp"

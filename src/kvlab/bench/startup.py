@@ -140,14 +140,6 @@ def round_of(kvlab: str, gguf: str, model: str, env: dict) -> dict[str, float]:
     return figures
 
 
-def _tree_commit(tree: str) -> Optional[str]:
-    try:
-        return subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def run_bench(trees: dict[str, str], runs: int, warmup: int, kvlab: str, gguf: str, model: str,
               pycache: Optional[str] = None, report: Callable[[str], None] = print) -> dict:
     """Interleaved rounds over `trees` (label -> src folder); the medians and ratios to the first tree."""
@@ -201,15 +193,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             line += f"   {medians[labels[1]] / medians[labels[0]]:.2f}"
         print(line)
     if args.json_out:
-        from kvlab.bench.provenance import provenance
-        from kvlab.studies.store import write_json
+        from kvlab.bench.provenance import git_state, provenance
+        from kvlab.files import write_json
 
         record = {"benchmark": "startup", "model": args.model, "gguf": gguf, "kvlab_executable": args.kvlab,
                   "runs": args.runs, "warmup": args.warmup,
                   "bytecode": (f"cached under {args.pycache} (PYTHONPYCACHEPREFIX)" if args.pycache else
                                "as the environment has it: PYTHONDONTWRITEBYTECODE="
                                + os.environ.get("PYTHONDONTWRITEBYTECODE", "(unset)")),
-                  "trees": {label: {"src": os.path.abspath(src), "git_commit": _tree_commit(src)}
+                  "trees": {label: {"src": os.path.abspath(src), "git_commit": git_state(src)[0]}
                             for label, src in trees.items()},
                   "method": "each figure a fresh process; trees alternate within every round; OS page cache warm",
                   "results": results, "provenance": provenance()}

@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{s['constrained_median_ms']:.1f} ms, ratio {s['ratio']:.3f} (target <= {s['target_ratio']})")
     result["provenance"] = provenance(args.threads)
     if args.json:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(Path(args.json), result)
         print(f"wrote {args.json}")
     return 0

@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvlab.bench.cli_child import kvlab_cli
+from kvlab.files import write_atomic
+
 PROMPTS = (("completion", "The capital of France is"), ("chat", "What is the capital of France?"))
 MAX_TOKENS = 16
 KV_SPACE_GIB = 1
@@ -39,12 +42,6 @@ START_CAP_S = 480.0
 VARIANTS = {"original": None, "mqa": ["--kv-heads", "1"], "mha": ["--kv-heads", "9"]}
 CAPACITY = re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")
 REPORT = Path("reports/real-models/conversions.json")
-
-
-def kvlab_cli(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m kvlab ARGV` in a child, so a refusal is seen exactly as a user sees it (exit code, one line)."""
-    return subprocess.run([sys.executable, "-m", "kvlab", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
 
 
 def variant_dir(name: str, workdir: str) -> str:
@@ -79,7 +76,7 @@ def kvlab_greedy(directory: str, dtype: str) -> dict:
     import torch
 
     from kvlab.checkpoints.resolve import load_checkpoint
-    from kvlab.commands.generate_cmd import prompt_ids as ids_of
+    from kvlab.checkpoints.tokenizer import prompt_ids as ids_of
     from kvlab.nn.generate import generate
 
     loaded = load_checkpoint(directory, getattr(torch, dtype), "dense")
@@ -270,15 +267,6 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Beside the target, then renamed over it: a reader never sees half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(handle, "w") as f:
-        f.write(text)
-    os.replace(staging, path)
-
-
 def _cell(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1].replace("|", "\\|")
 
@@ -305,11 +293,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = measure(names, args.vllm_python, not args.no_mla, args.budget_s)
         path = Path(args.json) if args.json else None
         if path:
-            from kvlab.studies.store import write_json
+            from kvlab.files import write_json
             write_json(path, result)
     text = render(result)
     if path:
-        _write_text(path.with_suffix(".md"), text)
+        write_atomic(path.with_suffix(".md"), text)
     print(text)
     ok = all(r.get("capacity_matches_plan") for r in result["variants"])
     return 0 if ok else 1

@@ -99,15 +99,15 @@ def reset_prefix_cache(base_url: str) -> None:
 
 def run_kvlab_bench(base_url: str, model: str, tokenizer: str, flags: list[str], num_prompts: int,
                     concurrency: int, seed: int, workdir: str, endpoint: str = "/v1/completions") -> dict:
-    from kvlab.cli import main
+    from kvlab.bench.cli_child import kvlab_cli
 
     path = os.path.join(workdir, f"kvlab-{len(os.listdir(workdir))}.json")
-    rc = main(["bench", "serve", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer,
+    done = kvlab_cli(["bench", "serve", "--base-url", base_url, "--model", model, "--tokenizer", tokenizer,
                "--endpoint", endpoint, *flags, "--num-prompts", str(num_prompts), "--max-concurrency",
                str(concurrency), "--seed", str(seed), "--temperature", "0", "--metric-percentiles", "50,99",
-               "--result-file", path, "--disable-tqdm"])
-    if rc != 0:
-        raise RuntimeError(f"kvlab bench serve exited {rc}")
+               "--result-file", path, "--disable-tqdm"], timeout=None)
+    if done.returncode != 0:
+        raise RuntimeError(f"kvlab bench serve exited {done.returncode}: {done.stderr[-500:]}")
     with open(path) as f:
         return json.load(f)
 
@@ -244,7 +244,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"tokens {sorted(set(u['completion_tokens']))}")
     print("PASSED" if result["passed"] else "FAILED")
     if args.json:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(args.json, result)
     return 0 if result["passed"] else 1
 

@@ -18,7 +18,11 @@ from kvlab.errors import KvlabError
 from kvlab.plan.kv_formats import KVFormat
 
 Rope = Callable[[Tensor, Tensor], Tensor]  # rope(x [B, H, T, D], positions [T]) -> x rotated
-COMPUTE_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The one table of dtype names (kvlab.plan.kv_formats.MODEL_DTYPES) and their torch dtypes: what --dtype,
+# "auto" caches and the float codecs mean by fp32, fp16 and bf16 (kvlab's CPU models compute in
+# kvlab.plan.kv_formats.ACTIVATION_DTYPES).
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
 class CacheError(KvlabError):

@@ -14,12 +14,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from kvlab.cache.base import CacheError
+from kvlab.cache.base import TORCH_DTYPES, CacheError
 from kvlab.cache.quantize import FP8_DTYPES, dequantize_groups, fp8_dequantize, fp8_quantize, pack_codes, \
     quantize_groups, unpack_codes
 from kvlab.plan.kv_formats import FLOAT, GROUP, KVFormat, groups_per_row, packed_row_bytes
 
-FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FLOAT_DTYPES = TORCH_DTYPES  # the float formats are the model dtypes, stored as they are
 Fields = dict[str, Tensor]
 Scale = float | Sequence[float] | Tensor
 

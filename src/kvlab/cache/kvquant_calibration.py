@@ -17,7 +17,6 @@ Stored as one safetensors file (tensors plus the shape and provenance in its met
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -121,7 +120,9 @@ def fit_layer(k: Tensor, v: Tensor, k_weights: Optional[Tensor] = None, v_weight
 
 def save_calibration(calibration: KVQuantCalibration, path: Path) -> None:
     """Write atomically (temporary file beside it, then rename)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from kvlab.files import write_atomic
 
     tensors = {}
     for i, layer in enumerate(calibration.layers):
@@ -133,14 +134,7 @@ def save_calibration(calibration: KVQuantCalibration, path: Path) -> None:
     meta = {"format": FORMAT, "version": VERSION, "kv_heads": str(calibration.kv_heads),
             "head_dim": str(calibration.head_dim), "layers": str(len(calibration.layers)),
             "bits": ",".join(str(b) for b in sorted(calibration.bits)), "info": json.dumps(calibration.meta)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, save(tensors, metadata=meta))
 
 
 def load_calibration(path: Path, config=None) -> KVQuantCalibration:

@@ -102,6 +102,26 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
 # How a GGUF's quantised matrices are kept (`packing`): its blocks on int16 or int8 activations, dense
 # (dequantised once), or kvlab's own 4-bit planes.
 PACKINGS = ("gguf", "gguf-a8", "dense", "int4")
+WEIGHTS_CHOICES = ("auto", *PACKINGS)  # what --weights accepts everywhere; see resolve_packing for auto
+
+
+def resolve_packing(weights: str = "auto", kv_heads: Optional[int] = None) -> str:
+    """The packing `--weights` asks for: the one place where "auto" is decided.
+
+    auto means the GGUF's own blocks ("gguf") where kvlab's C kernels build, else dense; and dense
+    when the model is converted to `kv_heads` first, since averaging heads leaves the 4-bit blocks.
+    """
+    if weights not in WEIGHTS_CHOICES:
+        raise PlanError(f"--weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {weights!r}")
+    if kv_heads and weights in ("gguf", "gguf-a8", "int4"):
+        raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
+    if weights != "auto":
+        return weights
+    if kv_heads:
+        return "dense"
+    from kvlab.nn.kernels import kernels
+
+    return "gguf" if kernels() is not None else "dense"
 
 
 def load_checkpoint(name: str, dtype: "Optional[torch.dtype]" = None, packing: str = "dense") -> LoadedModel:

@@ -199,3 +199,17 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: Optional[str]) ->
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def prompt_ids(tokenizer: "Tokenizer", text: str, chat: bool) -> list[int]:
+    """A prompt's ids as `kvlab generate` feeds them: a chat turn rendered by the model's template (its own
+    BOS, if any), or plain text after BOS; an empty prompt is BOS alone (an error for a model without one)."""
+    if chat:
+        text = tokenizer.render_chat([{"role": "user", "content": text}])
+        return tokenizer.encode(text, add_bos=False) if tokenizer.bos_id is None else tokenizer.encode(text)
+    ids = tokenizer.encode(text) if text else []
+    if not ids:
+        if tokenizer.bos_id is None:
+            raise PlanError("this model has no BOS token; give a --prompt")
+        ids = [tokenizer.bos_id]
+    return ids

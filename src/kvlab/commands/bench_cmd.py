@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from kvlab.commands.args import positive_int
 from kvlab.commands.engine_args import add_engine_arguments
+from kvlab.files import write_json
 from kvlab.plan.errors import PlanError
 
 THROUGHPUT_HELP = "N random prompts through the engine at once: request and token throughput"
@@ -110,6 +110,5 @@ def run_throughput(args: argparse.Namespace) -> int:
             print("(llama.cpp ran with its weight repacking off: this build has AMX kernels, which crash on this "
                   "GGUF; kvlab.bench.llama_cpp_batch.AMX_REBUILD says how to build it without)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
     return 0

@@ -7,7 +7,7 @@ import os
 import shlex
 import sys
 
-from kvlab.studies.store import write_json
+from kvlab.files import write_json
 from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int, positive_int_list
 
 COMPARE_HELP = ("start kvlab's server and its peers (llama.cpp, transformers, vLLM) on the same model and run the "

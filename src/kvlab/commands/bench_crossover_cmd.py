@@ -27,7 +27,7 @@ def run_crossover(args: argparse.Namespace) -> int:
     from kvlab.engine.llm import load_for_engine
     from kvlab.nn import matmul_backend as mb
     from kvlab.nn.ggml import GGMLLinear
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
 
     model, _ = load_for_engine(args.model, args.weights, threads=args.threads)
     shapes = {}

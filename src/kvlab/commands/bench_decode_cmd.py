@@ -43,13 +43,11 @@ def add_parser(benches) -> None:
 
 def run_decode(args: argparse.Namespace) -> int:
     if args.batch_1_race:
-        from kvlab.bench.decode_speed import main as race_main
+        from kvlab.bench.decode_speed import run_race
 
         new_tokens = 128 if args.new_tokens == 16 else args.new_tokens  # the race's own default
-        argv = ["--model", args.model, "--new-tokens", str(new_tokens), "--repeats", str(args.repeats)]
-        argv += (["--threads", str(args.threads)] if args.threads else []) + \
-            (["--json", args.json] if args.json else []) + ([] if args.transformers else ["--skip-transformers"])
-        return race_main(argv)
+        return run_race(args.model, new_tokens, args.repeats, args.threads, transformers=args.transformers,
+                        json_path=args.json)
     import torch
     from rich.console import Console
 
@@ -58,7 +56,7 @@ def run_decode(args: argparse.Namespace) -> int:
     from kvlab.bench.provenance import provenance
     from kvlab.bench.throughput import random_prompts, special_ids
     from kvlab.checkpoints.resolve import load_model, resolve_model_path
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
     from kvlab.commands.measure_cmd import weight_bytes_read
     from kvlab.train.progress import progress_bar
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -11,6 +10,7 @@ import time
 from typing import Optional
 
 from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int, positive_int_list
+from kvlab.files import write_json
 
 SERVE_HELP = "an OpenAI-compatible server under load: TTFT, TPOT, ITL, E2EL and throughput (after vllm bench serve)"
 DATASETS = ("random", "sharegpt", "prefix-repetition")
@@ -225,8 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
     result["provenance"] = provenance()
     if args.save_result or args.result_file:
         path = args.result_file or _default_name(label, args, header["date"])
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(path, result)
         say(f"result written to {path}")
     if args.plot:
         plot(runs, args.plot, metrics, percentiles, f"kvlab bench serve: {args.model} at {args.base_url}, "

@@ -25,7 +25,7 @@ def add_parser(benches) -> None:
 def run_shared_cpu(args: argparse.Namespace) -> int:
     from kvlab.bench.provenance import provenance
     from kvlab.bench.shared_cpu import POLICIES, run
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_json
     from kvlab.train.progress import progress_bar
 
     per_command = 2 * args.rounds * len(POLICIES)

@@ -100,7 +100,7 @@ def _log(line: str) -> None:
 
 def _write_json(path, result: dict) -> None:
     if path:
-        from kvlab.studies.store import write_json
+        from kvlab.files import write_json
         write_json(Path(path), result)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
-from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
+from kvlab.commands.args import add_model_flags, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
 from kvlab.nn.matmul_backend import BACKENDS, set_backend
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
@@ -14,12 +14,7 @@ from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     model = parser.add_argument_group("model")
-    model.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
-                       help="how a GGUF's matrices are computed on (as `kvlab generate`; default auto)")
-    model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
-    model.add_argument("--threads", type=positive_int,
-                       help="torch CPU threads, every step (default: all, or one per step where that has been "
-                            "faster lately: a shared machine; kvlab.nn.threads)")
+    add_model_flags(model)
     model.add_argument("--matmul-backend", choices=BACKENDS, default=None,
                        help="where products of many rows run: kernels (kvlab's C kernels on the GGUF blocks), "
                             "library (torch/oneDNN on a dense copy, bf16 where the CPU has AMX or AVX-512 BF16), "

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvlab.commands.args import non_negative_int, positive_int, positive_int_list
+from kvlab.commands.args import add_model_flags, non_negative_int, positive_int, positive_int_list
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES
 
 TASKS = ("perplexity", "passkey")
@@ -69,10 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     parser.add_argument("--task", type=task_list, default=["perplexity"], help="perplexity, passkey, or both")
     add_setting_arguments(parser)
-    parser.add_argument("--weights", default="dense", choices=("dense", "gguf", "gguf-a8"),
-                        help="how a GGUF's matrices are computed on (as `kvlab generate`): dense (default, "
-                             "transformers' arithmetic), gguf (its blocks, int16 activations) or gguf-a8 (int8 "
-                             "activations on the 4-bit blocks, as llama.cpp)")
+    add_model_flags(parser, weights=("dense", "gguf", "gguf-a8"), weights_default="dense", dtype=False)
     parser.add_argument("--text", type=Path, help="perplexity text (default: data/english/frankenstein.txt)")
     parser.add_argument("--context", type=positive_int, default=1024, help="tokens per perplexity window (1024)")
     parser.add_argument("--windows", type=positive_int, default=1, help="perplexity windows, consecutive (1)")
@@ -86,7 +83,6 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                         help="where the key sits, as a fraction of the filler (default 0.1,0.5,0.9)")
     parser.add_argument("--trials", type=positive_int, default=10, help="passkey keys per (length, depth) (10)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the passkey keys and conversions")
-    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, help="results JSON, created or resumed (finished cells are skipped)")
     parser.add_argument("--json", action="store_true", help="print the finished cells as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

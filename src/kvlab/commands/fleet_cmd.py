@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, comma_list, non_negative_int, positive_float, \
+from kvlab.commands.args import add_model_flags, byte_size, comma_list, non_negative_int, positive_float, \
     positive_int
 from kvlab.commands.plan_args import add_model_arguments, add_speculative_arguments
+from kvlab.files import write_json
 from kvlab.fleet.service import PLAN_BLOCK_SIZE
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.weights import WEIGHT_DTYPES
@@ -114,8 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                        help="also simulate these rates (figure: tails and cards against rate)")
     calib = parser.add_argument_group("calibrate (kvlab fleet calibrate MODEL)")
     calib.add_argument("--output", help="calibration file to write (default fleet-calibration.json)")
-    calib.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
-    calib.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES)
+    add_model_flags(calib, dtype=False)  # --dtype is the card's (fp16); calibration computes in fp32
     calib.add_argument("--batches", type=comma_list, default=["1", "4", "16", "32"], help="decode batch sizes")
     calib.add_argument("--contexts", type=comma_list, default=["64", "256"], help="decode contexts (tokens)")
     calib.add_argument("--chunks", type=comma_list, default=["16", "64", "128", "256", "512", "1024"],
@@ -139,14 +138,6 @@ def _ints(items, flag: str) -> list[int]:
     return values
 
 
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.model == "calibrate":
         return run_calibrate(args)
@@ -161,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         result["figures"] = scenario.figures(result, args.plot)
     if args.save_result:
         from kvlab.bench.provenance import provenance
-        _write_json(args.save_result, {**result, "provenance": provenance()})
+        write_json(args.save_result, {**result, "provenance": provenance()})
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -218,7 +209,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         "provenance": provenance(),
     }
     path = args.output or "fleet-calibration.json"
-    _write_json(path, data)
+    write_json(path, data)
     if args.json:
         print(json.dumps({k: data[k] for k in ("model", "fit", "fit_quality", "engine")}, indent=2))
     else:

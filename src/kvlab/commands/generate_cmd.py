@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvlab.checkpoints.tokenizer import prompt_ids
 from kvlab.commands.args import non_negative_int, positive_int
 from kvlab.commands.lab_args import add_lab_arguments, load_from_args
 from kvlab.plan.errors import PlanError
@@ -51,18 +52,6 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.set_defaults(run=run)
-
-
-def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        text = tokenizer.render_chat([{"role": "user", "content": text}])
-        return tokenizer.encode(text, add_bos=False) if tokenizer.bos_id is None else tokenizer.encode(text)
-    ids = tokenizer.encode(text) if text else []
-    if not ids:
-        if tokenizer.bos_id is None:
-            raise PlanError("this model has no BOS token; give a --prompt")
-        ids = [tokenizer.bos_id]
-    return ids
 
 
 def run(args: argparse.Namespace) -> int:

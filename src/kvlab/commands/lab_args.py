@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvlab.commands.args import WEIGHTS_CHOICES, positive_int
-from kvlab.plan.errors import PlanError
+from kvlab.commands.args import add_model_flags, positive_int
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,35 +15,19 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations' dtype; KVQuant's calibrated formats run in `kvlab eval`)")
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
-    parser.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
-                        help="gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 "
-                             "activations; with an fp32/fp16/bf16 cache each decode step is one C call); "
-                             "gguf-a8: the same with int8 activations on the 4-bit blocks, as llama.cpp (faster "
-                             "products, +0.4%% perplexity on SmolLM2, near-tied tokens flip); "
-                             "dense: dequantise to fp32, transformers' arithmetic; int4: PyTorch's int4 kernel "
-                             "(bf16 activations); auto (default): gguf where its C kernels build, else dense, "
-                             "and dense with --kv-heads")
-    parser.add_argument("--threads", type=positive_int,
-                        help="torch CPU threads (default: torch's choice; 1 is faster on a busy machine)")
+    add_model_flags(parser)
 
 
 def load_from_args(args: argparse.Namespace):
     """The model the flags name, converted to --kv-heads when asked (a dense copy: conversion averages weights)."""
-    import torch
-
-    from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.cache.base import TORCH_DTYPES
+    from kvlab.checkpoints.resolve import load_checkpoint, resolve_packing
     from kvlab.nn.threads import fix_threads
 
+    packing = resolve_packing(args.weights, args.kv_heads)
     if args.threads:
         fix_threads(args.threads)
-    if args.weights in ("gguf", "gguf-a8", "int4") and args.kv_heads:
-        raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
-    packing = args.weights
-    if packing == "auto":
-        from kvlab.nn.kernels import kernels
-        packing = "gguf" if kernels() is not None and not args.kv_heads else "dense"
-    loaded = load_checkpoint(args.model, getattr(torch, DTYPES[args.dtype]), packing)
+    loaded = load_checkpoint(args.model, TORCH_DTYPES[args.dtype], packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
         loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")

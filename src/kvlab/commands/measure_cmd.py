@@ -83,6 +83,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from kvlab.bench.provenance import provenance
+    from kvlab.cache.base import model_dtype_name
     from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
     from kvlab.plan.pool_capacity import engine_capacity
     from kvlab.plan.roofline import decode_step
@@ -101,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict:
     stats = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": args.new_tokens - 1}
 
     spec = config.to_plan_spec()
-    model_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    model_dtype = model_dtype_name(model.dtype)
     formats = cache_formats(args.kv_cache_dtype, model_dtype=model_dtype)
     pool = engine.pool
     capacity = engine_capacity(spec, pool.nbytes(), held, formats, pool.block_size, pool.seats)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 def render_only(out) -> int:
     from kvlab.plan.errors import PlanError
     from kvlab.report.gqa_report import write_report
-    from kvlab.studies.store import read_json
+    from kvlab.files import read_json
 
     if out is None:
         raise PlanError("--render-only needs --out DIR (the folder holding results.json)")
@@ -118,15 +118,16 @@ def print_summary(results: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"GQA study ({results['preset']['name']}): {results['provenance']['wall_seconds'] / 60:.1f} min")
-    batches = sorted({b for run in results["runs"] for b in run["decode_tokens_per_s"]}, key=int)
+    decode = results["decode"]  # measured once per variant (seed 0's weights), not per seed
+    batches = sorted({b for cells in decode.values() for b in cells}, key=int)
     for column in ["variant", "KV heads", "val loss (mean ± std)", "KV bytes/token"] + \
             [f"decode tok/s b{b}" for b in batches] + ["train tok/s"]:
         table.add_column(column, justify="left" if column == "variant" else "right")
     per_token = {v["variant"]: v["kv_bytes_per_token"] for v in results["variants"]}
     for name, item in results["summary"].items():
-        run = next(r for r in results["runs"] if r["variant"] == name)
+        speeds = [decode.get(name, {}).get(b, {}).get("tokens_per_s_median") for b in batches]
         table.add_row(name, str(item["kv_heads"] or "latent"), f"{item['val_loss_mean']:.4f} ± {item['val_loss_std']:.4f}",
-                      f"{per_token[name]:,}", *[f"{run['decode_tokens_per_s'].get(b, 0):,.0f}" for b in batches],
+                      f"{per_token[name]:,}", *["" if s is None else f"{s:,.0f}" for s in speeds],
                       f"{item['train_tokens_per_s_mean']:,.0f}")
     console = Console()
     console.print(table)

@@ -15,6 +15,7 @@ import os
 import sys
 
 from kvlab.commands.args import non_negative_int, positive_float, positive_int
+from kvlab.files import write_atomic
 from kvlab.plan.errors import PlanError
 
 EXAMPLES = """examples:
@@ -74,9 +75,7 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=args.teacher_tokens, desc="teacher samples", unit="tok", file=sys.stderr) as bar:
             ids = teacher_text(teacher.model, args.teacher_tokens, start, seed=args.seed, progress=bar.update)
         source = "teacher samples"
-        temporary = data_file.with_suffix(".tmp")
-        temporary.write_text(json.dumps(ids))
-        os.replace(temporary, data_file)
+        write_atomic(data_file, json.dumps(ids))
     corpus = token_corpus(ids, args.block_size, source)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, block_size=args.block_size, lr=args.lr,
                          min_lr=args.lr / 10, warmup=min(20, args.steps // 10), eval_every=max(1, args.steps // 4),

@@ -27,18 +27,13 @@ Prompt = Union[str, Sequence[int]]
 
 def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", threads: Optional[int] = None):
     """(model, tokenizer) for a name, a .gguf file or a Hugging Face directory, as `kvlab generate` loads it."""
-    import torch
-
-    from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.cache.base import TORCH_DTYPES
+    from kvlab.checkpoints.resolve import load_checkpoint, resolve_packing
     from kvlab.nn.threads import fix_threads
 
     if threads:
         fix_threads(threads)
-    packing = weights
-    if packing == "auto":
-        from kvlab.nn.kernels import kernels
-        packing = "gguf" if kernels() is not None else "dense"
-    loaded = load_checkpoint(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], packing)
+    loaded = load_checkpoint(model, TORCH_DTYPES[dtype], resolve_packing(weights))
     return loaded.model, loaded.tokenizer
 
 

@@ -95,7 +95,8 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
     digest.update(" ".join([compiler, *flags]).encode())  # a new compiler or flag builds anew
-    library = CACHE_DIR / f"ggml_gemv-{digest.hexdigest()[:16]}.so"
+    # kvlab's whole C library (block products, KV codecs, attention, the paged decode step), not only GEMV
+    library = CACHE_DIR / f"kvlab_kernels-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
         try:
             CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from kvlab.files import write_json
+
 BACKENDS = ("auto", "kernels", "library")
 ROWS = (2, 4, 8, 16, 32, 64, 128, 256)  # the row counts a crossover is measured at
 REPEATS = 3  # timed products per (backend, rows): the best counts
@@ -133,10 +135,7 @@ def remember(layer, figures: dict, cache_file: Optional[Path] = None) -> int:
     known = _load(path)
     known[key] = figures
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        spare = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        spare.write_text(json.dumps(known, indent=2))
-        os.replace(spare, path)  # readers never see half a file
+        write_json(path, known)
     except OSError:
         pass  # a read-only home still gets the figure, just not remembered
     _MEASURED[key] = int(figures["crossover"])

@@ -66,12 +66,23 @@ _CANONICAL = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp
 _GROUP_BITS = {"int8": 8, "int4": 4, "int2": 2}
 _KIVI_BITS = {"kivi2": 2, "kivi4": 4}
 _KVQUANT_BITS = {"kvquant3": 3, "kvquant4": 4}
-MODEL_DTYPES = ("fp32", "fp16", "bf16")
-# The one table of cache format names: what `--kv-cache-dtype` accepts everywhere, and which of them
-# the engine's paged pool serves (kvlab.cache.pool; KVQuant's calibrated codebooks run in the lab only).
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi2", "kivi4",
-                   "kvquant3", "kvquant4")
-POOL_KV_CACHE_DTYPES = tuple(name for name in KV_CACHE_DTYPES if not name.startswith("kvquant"))
+MODEL_DTYPES = ("fp32", "fp16", "bf16")  # torch's for each: kvlab.cache.base.TORCH_DTYPES
+ACTIVATION_DTYPES = ("fp32", "bf16")  # what kvlab's CPU models compute in: --dtype of generate, serve, bench
+# The one table of cache format names: what `--kv-cache-dtype` accepts everywhere, and which path serves
+# each. "lab": kvlab eval's caches (every format); "pool": the engine's paged pool (kvlab.cache.pool), so
+# serve, generate, bench; "c_step": the pool formats the paged decode step runs in C (kvlab.nn.paged_decode,
+# fp32 activations; int8 in groups of a multiple of 8 channels); the others decode module by module.
+# "auto" is the model's dtype. KVQuant's calibrated codebooks run in the lab only.
+KV_CACHE_DTYPE_PATHS = {
+    "auto": ("lab", "pool", "c_step"), "fp16": ("lab", "pool", "c_step"), "bf16": ("lab", "pool", "c_step"),
+    "fp32": ("lab", "pool", "c_step"), "fp8": ("lab", "pool", "c_step"), "fp8_e4m3": ("lab", "pool", "c_step"),
+    "fp8_e5m2": ("lab", "pool", "c_step"), "int8": ("lab", "pool", "c_step"), "int4": ("lab", "pool"),
+    "int2": ("lab", "pool"), "kivi2": ("lab", "pool"), "kivi4": ("lab", "pool"),
+    "kvquant3": ("lab",), "kvquant4": ("lab",),
+}
+KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_PATHS)
+POOL_KV_CACHE_DTYPES = tuple(name for name, paths in KV_CACHE_DTYPE_PATHS.items() if "pool" in paths)
+C_STEP_KV_CACHE_DTYPES = tuple(name for name, paths in KV_CACHE_DTYPE_PATHS.items() if "c_step" in paths)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,22 @@ def binary(num_bytes: float) -> str:
     return _human(num_bytes, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
 
 
+def exact_and_binary(num_bytes: int) -> str:
+    """`8,196,096 B (7.82 MiB)`: the exact count a test can check, and the size a reader takes in.
+
+    The binary figure has no thousands separator (`1,024,512 B (1000.50 KiB)`), so the two
+    numbers stay apart at a glance; committed reports show it so.
+    """
+    if abs(num_bytes) < 1024:
+        return f"{num_bytes:,} B"
+    value, unit = float(num_bytes), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024:
+            break
+    return f"{num_bytes:,} B ({value:.2f} {unit})"
+
+
 def decimal(num_bytes: float) -> str:
     """Human size in decimal units (kB, MB, GB): what datasheets quote."""
     return _human(num_bytes, 1000, ("B", "kB", "MB", "GB", "TB"))

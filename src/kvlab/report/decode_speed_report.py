@@ -15,6 +15,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from kvlab.files import write_atomic
+from kvlab.report.markdown import table
+
 RUNS = (("2 threads", "smollm2_threads2.json"), ("1 thread", "smollm2_threads1.json"))
 
 
@@ -64,15 +67,12 @@ def render(folder: Path) -> str:
                      f"({prov['machine']['cores']} cores), torch {prov['torch_version']}, transformers "
                      f"{prov.get('transformers_version', '-')}.")
     lines += ["", "A shared VM's speed drifts during a day, so compare ratios within one run, not figures across "
-              "runs.", "", "| engine | " + " | ".join(f"{label}, tok/s" for label in results) + " |",
-              "|---|" + "---|" * len(results)]
-    for title, prefix in rows:
-        cells = [f"{_engine(r, prefix)['tokens_per_s']:.1f}" for r in results.values()]
-        lines.append(f"| {title} | " + " | ".join(cells) + " |")
-    lines.append("| **kvlab / faster transformers** | " +
-                 " | ".join(f"**{r['ratio_vs_best_transformers']:.2f}x**" for r in results.values()) + " |")
-    lines.append("| kvlab / transformers fp32 | " +
-                 " | ".join(f"{r['ratio_vs_transformers_fp32']:.2f}x" for r in results.values()) + " |")
+              "runs.", ""]
+    cells = [[title, *(f"{_engine(r, prefix)['tokens_per_s']:.1f}" for r in results.values())] for title, prefix in rows]
+    cells.append(["**kvlab / faster transformers**",
+                  *(f"**{r['ratio_vs_best_transformers']:.2f}x**" for r in results.values())])
+    cells.append(["kvlab / transformers fp32", *(f"{r['ratio_vs_transformers_fp32']:.2f}x" for r in results.values())])
+    lines += table(["engine", *(f"{label}, tok/s" for label in results)], cells)
     matching = [r["greedy_prefix_matching_transformers_fp32"] for r in results.values()]
     agree = ("All" if all(m == first["new_tokens"] for m in matching) else "Not all") + \
         f" {first['new_tokens']} greedy tokens equal transformers fp32's ({', '.join(map(str, matching))} in the " \
@@ -99,7 +99,7 @@ def render(folder: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0] if args else "reports/decode_speed")
-    (folder / "README.md").write_text(render(folder))
+    write_atomic(folder / "README.md", render(folder))
     print(f"wrote {folder / 'README.md'}")
     return 0
 

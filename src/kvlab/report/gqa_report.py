@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvlab.plan.units import exact_and_binary
 from kvlab.report.gqa_figures import write_figures
+from kvlab.report.markdown import table
 
 SETUP = "bash scripts/install.sh   # or: pip install -e \".[lab]\" (torch, numpy, matplotlib, tqdm)"
 
@@ -24,13 +26,6 @@ def write_report(results: dict, out: Path) -> Path:
     return path
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n:,} B ({n / size:.2f} {unit})"
-    return f"{n:,} B"
-
-
 def ratio(results: dict, name: str, base: str) -> str:
     params = {v["variant"]: v["params"] for v in results["variants"]}
     return f"{params[name] / params[base]:.3f}x" if name in params and base in params else "n/a"
@@ -38,6 +33,26 @@ def ratio(results: dict, name: str, base: str) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def code_and_machine(prov: dict) -> dict:
+    """What the report prints of a study's provenance, from either schema it has been written in.
+
+    New studies store kvlab.bench.provenance's record (git_commit, machine.cores, torch_version);
+    results.json files written before that carry the study's own (git{commit, changed_files},
+    machine.cpu_count, versions{}), and must still render byte for byte.
+    """
+    machine = prov["machine"]
+    if "git" in prov:  # the study's own schema, before the one provenance
+        git = prov["git"]
+        return {"commit": git.get("commit"), "changed": git.get("changed_files") or [],
+                "dirty_src": git.get("dirty_src"), "versions": prov["versions"], "cores": machine["cpu_count"],
+                "load_now": prov["load_average_now"]}
+    versions = {"python": prov.get("python_version"), "kvlab": prov.get("kvlab_version"),
+                "torch": prov.get("torch_version"), "transformers": prov.get("transformers_version")}
+    commit = prov.get("git_commit")
+    return {"commit": commit.removesuffix("+dirty") if commit else None, "changed": prov.get("git_dirty_files") or [],
+            "dirty_src": False, "versions": versions, "cores": machine["cores"], "load_now": prov.get("load_average")}
 
 
 def stages(prov: dict) -> str:
@@ -60,7 +75,7 @@ def render(results: dict, figures: dict, discussion: str | None = None) -> str:
         "Without `--data` the command reads `~/.cache/kvlab/tinyshakespeare.txt`, or downloads Tiny Shakespeare "
         "from char-rnn's GitHub and checks its sha256, so online it trains on the same bytes.", "",
         f"Wall time: **{minutes(prov['wall_seconds_all_invocations'])}** on {prov['machine']['cpu']} "
-        f"({prov['machine']['cpu_count']} cores, torch {prov['versions']['torch']}, "
+        f"({code_and_machine(prov)['cores']} cores, torch {code_and_machine(prov)['versions']['torch']}, "
         f"{plural(p['threads'] or prov['machine']['torch_threads'], 'thread')}){stages(prov)}.", "",
     ]
     lines += setup_section(results) + findings_section(results) + quality_section(results, figures)
@@ -74,14 +89,15 @@ def render(results: dict, figures: dict, discussion: str | None = None) -> str:
 
 def setup_section(results: dict) -> list[str]:
     p = results["preset"]
-    rows = ["| variant | attention | KV heads | parameters | cached per token per layer | KV bytes per token |",
-            "|---|---|---:|---:|---|---:|"]
+    cells = []
     for v in results["variants"]:
         c = v["config"]
         cached = (f"latent {c['kv_lora_rank']} + RoPE key {c['qk_rope_head_dim']}" if v["kv_heads"] is None
                   else f"K and V: 2 x {v['kv_heads']} x {c['dim'] // c['n_heads']}")
-        rows.append(f"| {v['variant']} | {v['attention']} | {v['kv_heads'] or 'latent'} | {v['params']:,} | "
-                    f"{cached} | {v['kv_bytes_per_token']:,} |")
+        cells.append([v["variant"], v["attention"], v["kv_heads"] or "latent", f"{v['params']:,}", cached,
+                      f"{v['kv_bytes_per_token']:,}"])
+    rows = table(["variant", "attention", "KV heads", "parameters", "cached per token per layer",
+                  "KV bytes per token"], cells, "llrrlr")
     mla = next((v["config"] for v in results["variants"] if v["kv_heads"] is None), None)
     data = results["provenance"]["data"]
     scope = ("the whole validation split" if p["val_tokens"] is None
@@ -129,15 +145,14 @@ def quality_section(results: dict, figures: dict) -> list[str]:
     if not summary:
         return []
     seeds = results["seeds"]
-    head = "| variant | KV heads | " + " | ".join(f"seed {s}" for s in seeds) + \
-        " | mean | std | range | train tokens/s |"
-    rows = [head, "|---|---:|" + "---:|" * len(seeds) + "---:|---:|---:|---:|"]
+    head = ["variant", "KV heads", *(f"seed {s}" for s in seeds), "mean", "std", "range", "train tokens/s"]
+    cells = []
     for name, item in summary.items():
         by_seed = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == name}
-        cells = " | ".join(f"{by_seed[s]:.4f}" if s in by_seed else "-" for s in seeds)
-        rows.append(f"| {name} | {item['kv_heads'] or 'latent'} | {cells} | **{item['val_loss_mean']:.4f}** | "
-                    f"{item['val_loss_std']:.4f} | {item['val_loss_max'] - item['val_loss_min']:.4f} | "
-                    f"{item['train_tokens_per_s_mean']:,.0f} |")
+        cells.append([name, item["kv_heads"] or "latent", *(f"{by_seed[s]:.4f}" if s in by_seed else "-" for s in seeds),
+                      f"**{item['val_loss_mean']:.4f}**", f"{item['val_loss_std']:.4f}",
+                      f"{item['val_loss_max'] - item['val_loss_min']:.4f}", f"{item['train_tokens_per_s_mean']:,.0f}"])
+    rows = table(head, cells, "l" + "r" * (len(head) - 1))
     return (["## Quality: validation loss", "", *rows, ""] + figure(figures, "val_loss", "validation loss")
             + figure(figures, "training", "training curves"))
 
@@ -147,16 +162,17 @@ def memory_section(results: dict, figures: dict) -> list[str]:
     if not decode:
         return []
     batches = sorted({b for cells in decode.values() for b in cells}, key=int)
-    rows = ["| variant | bytes per token | " + " | ".join(
-        f"batch {b}: plan | batch {b}: cache.nbytes()" for b in batches) + " |",
-        "|---|---:|" + "---:|---:|" * len(batches)]
+    head = ["variant", "bytes per token", *(f"batch {b}: {what}" for b in batches for what in ("plan", "cache.nbytes()"))]
     per_token = {v["variant"]: v["kv_bytes_per_token"] for v in results["variants"]}
+    lines = []
     for name, cells in decode.items():
         parts = []
         for b in batches:
             cell = cells.get(b)
-            parts += [fmt_bytes(cell["kv_bytes_formula"]), fmt_bytes(cell["kv_bytes_measured"])] if cell else ["-", "-"]
-        rows.append(f"| {name} | {per_token.get(name, 0):,} | " + " | ".join(parts) + " |")
+            parts += [exact_and_binary(cell["kv_bytes_formula"]), exact_and_binary(cell["kv_bytes_measured"])] \
+                if cell else ["-", "-"]
+        lines.append([name, f"{per_token.get(name, 0):,}", *parts])
+    rows = table(head, lines, "l" + "r" * (len(head) - 1))
     context = next(iter(next(iter(decode.values())).values()))["context"]
     return (["## Memory: KV-cache bytes", "",
              f"At the decode context of {context:,} tokens (the cache is allocated for the prompt plus every "
@@ -168,15 +184,16 @@ def speed_section(results: dict, figures: dict) -> list[str]:
     if not decode:
         return []
     batches = sorted({b for cells in decode.values() for b in cells}, key=int)
-    rows = ["| variant | " + " | ".join(f"batch {b} tok/s (median) | runs" for b in batches) + " |",
-            "|---|" + "---:|---|" * len(batches)]
+    head = ["variant", *(what for b in batches for what in (f"batch {b} tok/s (median)", "runs"))]
+    lines = []
     for name, cells in decode.items():
         parts = []
         for b in batches:
             cell = cells.get(b)
             parts += [f"{cell['tokens_per_s_median']:,.0f}",
                       ", ".join(f"{x:,.0f}" for x in cell["tokens_per_s_runs"])] if cell else ["-", "-"]
-        rows.append(f"| {name} | " + " | ".join(parts) + " |")
+        lines.append([name, *parts])
+    rows = table(head, lines, "l" + "rl" * len(batches))
     tokens = next(iter(next(iter(decode.values())).values()))["tokens"]
     return (["## Speed: decode tokens/s", "",
              f"Greedy generation of {tokens:,} tokens from a one-character prompt (prefill included), all "
@@ -190,18 +207,19 @@ def uptrain_section(results: dict, figures: dict) -> list[str]:
     if not records:
         return []
     scratch = {item["kv_heads"]: item["val_loss_mean"] for item in results["summary"].values()}
-    rows = ["| method | KV heads | val loss before | after | change | steps | from scratch (seed mean) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = []
     for r in sorted(records, key=lambda r: (-r["kv_heads"], r["val_loss_after"])):
         ref = scratch.get(r["kv_heads"])
-        rows.append(f"| {r['method']} | {r['kv_heads']} | {r['val_loss_before']:.4f} | **{r['val_loss_after']:.4f}** | "
-                    f"{r['val_loss_after'] - r['val_loss_before']:+.4f} | {r['steps']} | "
-                    f"{'-' if ref is None else f'{ref:.4f}'} |")
+        lines.append([r["method"], r["kv_heads"], f"{r['val_loss_before']:.4f}", f"**{r['val_loss_after']:.4f}**",
+                      f"{r['val_loss_after'] - r['val_loss_before']:+.4f}", r["steps"],
+                      "-" if ref is None else f"{ref:.4f}"])
     control = results.get("uptrain_control")
     if control:
-        rows.append(f"| none (MHA control) | {control['kv_heads']} | {control['val_loss_before']:.4f} | "
-                    f"{control['val_loss_after']:.4f} | {control['val_loss_after'] - control['val_loss_before']:+.4f} | "
-                    f"{control['steps']} | - |")
+        lines.append(["none (MHA control)", control["kv_heads"], f"{control['val_loss_before']:.4f}",
+                      f"{control['val_loss_after']:.4f}", f"{control['val_loss_after'] - control['val_loss_before']:+.4f}",
+                      control["steps"], "-"])
+    rows = table(["method", "KV heads", "val loss before", "after", "change", "steps", "from scratch (seed mean)"],
+                 lines, "lrrrrrr")
     p = results["preset"]
     return (["## Uptraining: MHA converted to fewer KV heads", "",
              f"The seed-{results['seeds'][0]} MHA model's key and value projections are pooled within each group "
@@ -240,22 +258,22 @@ def caveats_section(results: dict) -> list[str]:
 
 def provenance_section(results: dict) -> list[str]:
     prov = results["provenance"]
-    git = prov["git"]
-    commit = git.get("commit") or "unknown"
-    changed = git.get("changed_files") or []
+    code = code_and_machine(prov)
+    commit = code["commit"] or "unknown"
+    changed = code["changed"]
     dirty = (f" plus uncommitted changes to {', '.join(changed)}" if changed else
-             " (with uncommitted changes under src/)" if git.get("dirty_src") else "")
-    versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
+             " (with uncommitted changes under src/)" if code["dirty_src"] else "")
+    versions = ", ".join(f"{k} {v}" for k, v in code["versions"].items() if v)
     lines = ["## Provenance", "",
              f"- Code: commit `{commit}`{dirty}; {versions}.",
-             f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {prov['machine']['cpu_count']} "
+             f"- Machine: {prov['machine']['platform']}, {prov['machine']['cpu']}, {code['cores']} "
              "cores. Load average (1, 5, 15 min) is shown per invocation: the study itself adds about 1 (one "
              "thread); more means other jobs shared the machine."]
     for run in prov.get("earlier_invocations", []):
-        code = (run.get("git") or {}).get("commit") or "unknown"
-        lines.append(f"- Invocation started {run['started']}: {minutes(run['seconds'])}, code `{code[:12]}`, load "
+        ran = (run.get("git_commit") or (run.get("git") or {}).get("commit") or "unknown").removesuffix("+dirty")
+        lines.append(f"- Invocation started {run['started']}: {minutes(run['seconds'])}, code `{ran[:12]}`, load "
                      f"{run['load_average_start']} at start, {run['load_average_end']} at the end.")
     lines += [f"- Invocation started {prov['started']} (wrote this report): {minutes(prov['wall_seconds'])}, load "
-              f"{prov['load_average_start']} at start, {prov['load_average_now']} at the end.",
+              f"{prov['load_average_start']} at start, {code['load_now']} at the end.",
               "- Everything above is in `results.json` next to this file (runs, histories, every timing repeat).", ""]
     return lines

@@ -26,12 +26,13 @@ Writes reports/real-models/kvquant_split.json:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from kvlab.files import write_json
 
 EXACT = ("keys", "values")
 
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
            "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": {**rows, **calibrated, **bound},
            "key_outliers": pool, "key_outliers_oracle": oracle_pool, "passkey_key_outliers": passkey,
            "provenance": provenance(args.threads)}
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.out, doc, indent=1)
     print(f"wrote {args.out}")
     return 0
 

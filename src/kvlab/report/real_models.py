@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.files import write_json
 from kvlab.report import real_models_gemma as gemma
 from kvlab.report import real_models_throughput as throughput
 from kvlab.report import real_models_uptrain as uptrain
@@ -83,7 +84,7 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
         print("real_models: uptraining the 1-KV-head conversion (a slice)", file=sys.stderr)
         uptrain.run_slice(MODEL, shared_file("data", "english", uptrain.TRAIN_TEXT))
     if uptrain.finished():
-        (out / "uptrain.json").write_text(json.dumps(uptrain.last_report(), indent=1) + "\n")  # the run, kept
+        write_json(out / "uptrain.json", uptrain.last_report(), indent=1)  # the run, kept
         store = jobs[0][0].store
         trained = Evaluator(load_model(str(uptrain.model_dir()), torch.float32, "dense"), store)
         jobs += [(trained, uptrain.SETTING, task) for task in study_tasks(SMOLLM2)]
@@ -229,7 +230,7 @@ def render(out: Path) -> None:
                                        "seeds": SEEDS}, "serve_context": SERVE_CONTEXT,
            "engine_pool_bytes": ENGINE_MEMORY, "rows": rows, "runs": store["runs"],
            gemma.STUDY.model: {"passkey_lengths": gemma.STUDY.lengths, "rows": gemma_rows, "runs": gemma_store["runs"]}}
-    (out / "serving.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(out / "serving.json", doc, indent=1)
     lines = [
         "# SmolLM2-135M and Gemma 3 270M under every KV setting: quality beside seats per card",
         "",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.files import write_json
 
 REQUESTS, INPUT_LEN, OUTPUT_LEN = 16, 128, 64
 POOL_BYTES = 512 * 2**20
@@ -66,9 +67,7 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     figures["provenance"] = provenance(torch.get_num_threads())
     doc = load(out)
     doc["rows"][setting.label] = figures
-    tmp = out / (FILE + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(out / FILE)
+    write_json(out / FILE, doc, indent=1)
     return figures
 
 

@@ -20,14 +20,13 @@ conversion and of the uptrained model.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.setting import KVSetting
+from kvlab.files import write_json
 
 STEPS, BATCH, BLOCK, SLICE = 160, 4, 128, 40  # 81,920 tokens; 28 min here (a step ~10 s), in slices of 7
 TRAIN_TEXT = "pride-and-prejudice.txt"
@@ -55,22 +54,20 @@ def finished() -> bool:
 
 def run_slice(model: str, text: Path) -> dict:
     """Convert (once), then uptrain up to the next SLICE steps; returns that slice's report."""
-    from kvlab.cli import main
+    from kvlab.bench.cli_child import kvlab_cli
 
     work_dir().mkdir(parents=True, exist_ok=True)
     if not (model_dir() / "config.json").exists():
-        if main(["convert", model, "--kv-heads", "1", "--method", "mean", "-o", str(model_dir()), "--force"]) != 0:
+        convert = kvlab_cli(["convert", model, "--kv-heads", "1", "--method", "mean", "-o", str(model_dir()), "--force"],
+                            timeout=None, progress=True)
+        if convert.returncode != 0:
             raise SystemExit(f"real_models: kvlab convert {model} --kv-heads 1 failed")
     done = (last_report() or {}).get("steps", 0)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["uptrain", str(model_dir()), "--teacher", model, "--data", str(text), "--steps", str(STEPS),
-                     "--batch-size", str(BATCH), "--block-size", str(BLOCK),
-                     "--stop-after", str(min(STEPS, done + SLICE)), "--json"])
-    if code != 0:
+    slice_ = kvlab_cli(["uptrain", str(model_dir()), "--teacher", model, "--data", str(text), "--steps", str(STEPS),
+                        "--batch-size", str(BATCH), "--block-size", str(BLOCK),
+                        "--stop-after", str(min(STEPS, done + SLICE)), "--json"], timeout=None, progress=True)
+    if slice_.returncode != 0:
         raise SystemExit("real_models: kvlab uptrain failed")
-    report = json.loads(out.getvalue())  # its val_lm_loss_before is the conversion's: OUT changes only at the end
-    tmp = work_dir() / "uptrain.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(work_dir() / "uptrain.json")
+    report = json.loads(slice_.stdout)  # its val_lm_loss_before is the conversion's: OUT changes only at the end
+    write_json(work_dir() / "uptrain.json", report, indent=1)
     return report

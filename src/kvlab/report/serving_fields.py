@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from kvlab.report.markdown import table
 from kvlab.report.serving_cells import provenance_text, run_of
 
 
@@ -87,8 +88,8 @@ def plain_lines(result: Optional[dict]) -> list[str]:
     lines += ["`kvlab bench compare` of this `kvlab serve` (`kvlab`) against the same server at the commit before "
               "vLLM's request fields were added (`kvlab-before`, from `git archive`), the same plain requests, taking "
               f"turns; *kvlab / it* is this server's throughput over the earlier one's. Measured at "
-              f"{provenance_text(result)}.", "", "| prompt | conc. | kvlab tok/s | kvlab-before tok/s | kvlab / it | "
-              "TPOT mean, kvlab / before |", "|---:|---:|---:|---:|---:|---:|"]
+              f"{provenance_text(result)}.", ""]
+    rows = []
     before = next((p for p in result["peers"] if p["name"] != "kvlab"), None)
     kvlab = next((p for p in result["peers"] if p["name"] == "kvlab"), None)
     for cell in result["cells"]:
@@ -96,7 +97,7 @@ def plain_lines(result: Optional[dict]) -> list[str]:
         if a is None or b is None:
             continue
         ratio = cell["kvlab_over_peer"].get(before["name"])
-        lines.append(f"| {cell['input_len']} | {cell['max_concurrency']} | {a['output_throughput']:.1f} | "
-                     f"{b['output_throughput']:.1f} | {ratio:.3f}x | "
-                     f"{a['mean_tpot_ms']:.1f} / {b['mean_tpot_ms']:.1f} |")
-    return lines + [""]
+        rows.append([cell["input_len"], cell["max_concurrency"], f"{a['output_throughput']:.1f}",
+                     f"{b['output_throughput']:.1f}", f"{ratio:.3f}x", f"{a['mean_tpot_ms']:.1f} / {b['mean_tpot_ms']:.1f}"])
+    return lines + table(["prompt", "conc.", "kvlab tok/s", "kvlab-before tok/s", "kvlab / it",
+                          "TPOT mean, kvlab / before"], rows, "rrrrrr") + [""]

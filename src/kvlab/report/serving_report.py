@@ -12,12 +12,13 @@ from the measurements.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from kvlab.bench.vllm_interop import COMPARED
+from kvlab.files import write_atomic
+from kvlab.report.markdown import table
 from kvlab.report.serving_cells import provenance_text, run_of
 from kvlab.report.serving_fields import lm_eval_lines, plain_lines, structured_lines
 from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
@@ -38,9 +39,7 @@ def _partial(result: dict) -> str:
 
 def compare_table(result: dict) -> list[str]:
     """A row per (prompt, concurrency, server): the figures and kvlab's same-run ratio to it."""
-    lines = ["| prompt | conc. | server | ok / failed | tokens back / asked | output tok/s | kvlab / it | "
-             "TTFT mean | TTFT p99 | TPOT mean | TPOT p99 | ITL mean | load before |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for cell in result["cells"]:
         for peer in result["peers"]:
             run = run_of(peer, cell)
@@ -48,13 +47,14 @@ def compare_table(result: dict) -> list[str]:
                 continue
             ratio = cell["kvlab_over_peer"].get(peer["name"])
             name = f"**{peer['name']}**" if peer["name"] == "kvlab" else peer["name"]
-            lines.append(f"| {cell['input_len']} | {cell['max_concurrency']} | {name} | {run['completed']} / "
-                         f"{run['failed']} | {run['total_output_tokens']} / {run['requested_output_tokens']} | "
-                         f"{run['output_throughput']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
-                         + " | ".join(_ms(run.get(k)) for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-                                                                "p99_tpot_ms", "mean_itl_ms"))
-                         + f" | {run.get('load_average_1m_before', '-')} |")
-    return lines
+            rows.append([cell["input_len"], cell["max_concurrency"], name, f"{run['completed']} / {run['failed']}",
+                         f"{run['total_output_tokens']} / {run['requested_output_tokens']}",
+                         f"{run['output_throughput']:.1f}", "-" if ratio is None else f"{ratio:.2f}x",
+                         *(_ms(run.get(k)) for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+                                                     "mean_itl_ms")),
+                         run.get("load_average_1m_before", "-")])
+    return table(["prompt", "conc.", "server", "ok / failed", "tokens back / asked", "output tok/s", "kvlab / it",
+                  "TTFT mean", "TTFT p99", "TPOT mean", "TPOT p99", "ITL mean", "load before"], rows, "rrl" + "r" * 10)
 
 
 def peers_notes(result: dict) -> list[str]:
@@ -152,17 +152,18 @@ def interop_lines(r: Optional[dict]) -> list[str]:
               f"requests of {r['output_len']} tokens at each concurrency ({provenance_text(r)}). Served one at a time, every "
               "ratio is judged; under load only output tok/s is, and the TTFT/TPOT ratios (in parentheses) show how "
               "differently the two closed loops happened to batch their requests (kvlab.bench.vllm_interop says why).",
-              "", "| dataset | endpoint | conc. | vLLM client ok / failed | kvlab client ok / failed | tokens (vLLM, kvlab) | "
-              "vLLM / kvlab: output tok/s | mean TTFT | median TTFT | mean TPOT | median TPOT | mean ITL |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              ""]
+    rows = []
     for p in r["pairs"]:
         v, k, q = p["vllm"], p["kvlab"], p["vllm_over_kvlab"]
         agreed = p.get("agreed", COMPARED)  # files from before the split by concurrency judged every ratio
         cells = ["-" if q[m] is None else f"{q[m]:.2f}" if m in agreed else f"({q[m]:.2f})" for m in COMPARED]
-        lines.append(f"| {p['dataset']} | {p.get('endpoint', '/v1/completions')} | "
-                     f"{p.get('max_concurrency', r['max_concurrency'])} | {v['completed']} / {v['failed']} | "
-                     f"{k['completed']} / {k['failed']} | {v['total_output_tokens']}, {k['total_output_tokens']} | "
-                     + " | ".join(cells) + " |")
+        rows.append([p["dataset"], p.get("endpoint", "/v1/completions"), p.get("max_concurrency", r["max_concurrency"]),
+                     f"{v['completed']} / {v['failed']}", f"{k['completed']} / {k['failed']}",
+                     f"{v['total_output_tokens']}, {k['total_output_tokens']}", *cells])
+    lines += table(["dataset", "endpoint", "conc.", "vLLM client ok / failed", "kvlab client ok / failed",
+                    "tokens (vLLM, kvlab)", "vLLM / kvlab: output tok/s", "mean TTFT", "median TTFT", "mean TPOT",
+                    "median TPOT", "mean ITL"], rows, "ll" + "r" * 10)
     u = r["unstreamed"]
     lines += ["", f"Unstreamed (`stream: false`, the openai client): {u['requests'] - u['failed']} ok, {u['failed']} "
               f"failed, completion tokens {sorted(set(u['completion_tokens']))}. Verdict with tolerance "
@@ -182,10 +183,8 @@ def decode_lines(d: Optional[dict]) -> list[str]:
     lines += [f"`kvlab bench decode {d['model']} --rounds {rounds}`: greedy, {d['new_tokens']} new tokens per "
               f"sequence, {turns}; decode as a ratio to kvlab and as a fraction of kvlab.plan's bandwidth roofline "
               f"(weights kvlab reads, {d['weight_bytes_read_per_step'] / 2**20:.0f} MiB a step, plus the KV "
-              f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {provenance_text(d)}.", "",
-              "| batch | context | roofline tok/s | " + " | ".join(f"{e} decode tok/s" for e in engines) + " | "
-              + " | ".join(f"{e} prefill tok/s" for e in engines) + " |",
-              "|" + "---:|" * (3 + 2 * len(engines))]
+              f"caches, at {d['bandwidth_gbs']} GB/s, {d['bandwidth_source']}). {provenance_text(d)}.", ""]
+    rows = []
     for p in d["points"]:
         cells = []
         for e in engines:
@@ -196,8 +195,10 @@ def decode_lines(d: Optional[dict]) -> list[str]:
         for e in engines:
             x = p["engines"][e]
             cells.append(f"{x['prefill_tokens_per_s']:,.0f} ({x['prefill_ratio_to_kvlab']:.2f}x)")
-        lines.append(f"| {p['batch']} | {p['context']} | {p['roofline_decode_tokens_per_s']:,.0f} | "
-                     + " | ".join(cells) + " |")
+        rows.append([p["batch"], p["context"], f"{p['roofline_decode_tokens_per_s']:,.0f}", *cells])
+    head = ["batch", "context", "roofline tok/s", *(f"{e} decode tok/s" for e in engines),
+            *(f"{e} prefill tok/s" for e in engines)]
+    lines += table(head, rows, "r" * len(head))
     note = ("" if rounds > 1 else " With one round, a few seconds' stall of this shared machine during a run "
             "reads as that engine's speed at that point: a figure far off its neighbours is more likely that than "
             "the engine.")
@@ -285,9 +286,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("folder", nargs="?", default="reports/serving", help="the report folder (reports/serving)")
     folder = Path(parser.parse_args(argv).folder)
     text = render(folder)
-    temp = folder / ".README.md.tmp"
-    temp.write_text(text)
-    os.replace(temp, folder / "README.md")
+    write_atomic(folder / "README.md", text)
     print(f"wrote {folder / 'README.md'}")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kvlab.bench.serving_bound import best_within, prefill_needed_ms, schedule_bounds
+from kvlab.report.markdown import table
 from kvlab.report.serving_cells import delivered, provenance_text, run_of
 
 TARGET_LEVEL, TARGET_RATIO = 16, 5.0
@@ -123,16 +124,16 @@ def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
               f"served columns are the seats sweep's above (its fastest server at each seat count), and the peer is "
               f"its {name}: {peer['output_throughput']:.1f} output tok/s at a p99 TPOT of {limit:.1f} ms, so the "
               f"target asks for {goal:.1f} tok/s with steps within {limit:.1f} ms.",
-              "",
-              "| seats | C step ms | served by | served p99 TPOT | served tok/s | run at least s | at most tok/s | "
-              "x the peer | step within its p99 TPOT |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+              ""]
+    rows = []
     for b in bounds:
         label, run = served.get(b["seats"], ("-", None))
-        served_cells = f"{label} | {run['p99_tpot_ms']:.1f} | {run['output_throughput']:.1f}" if run else "- | - | -"
-        lines.append(f"| {b['seats']} | {b['step_ms']:.1f} | {served_cells} | {b['duration_s']:.2f} | "
-                     f"{b['output_throughput']:.1f} | {b['output_throughput'] / peer['output_throughput']:.2f}x | "
-                     f"{'yes' if b['within_tpot'] else 'no'} |")
+        served_cells = [label, f"{run['p99_tpot_ms']:.1f}", f"{run['output_throughput']:.1f}"] if run else ["-"] * 3
+        rows.append([b["seats"], f"{b['step_ms']:.1f}", *served_cells, f"{b['duration_s']:.2f}",
+                     f"{b['output_throughput']:.1f}", f"{b['output_throughput'] / peer['output_throughput']:.2f}x",
+                     "yes" if b["within_tpot"] else "no"])
+    lines += table(["seats", "C step ms", "served by", "served p99 TPOT", "served tok/s", "run at least s",
+                    "at most tok/s", "x the peer", "step within its p99 TPOT"], rows, "rrlrrrrrl")
     fastest = max(bounds, key=lambda b: b["output_throughput"])
     lines += ["", _needs("Throughput alone", fastest, costs, goal, per_token)]
     best = best_within(bounds)

@@ -10,9 +10,11 @@ remarks live in notes.md beside them and are appended as they are.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
+
+from kvlab.files import write_atomic
+from kvlab.report.markdown import table
 
 LABELS = {
     "plan_file": "`kvlab plan FILE.gguf` to exit",
@@ -34,15 +36,14 @@ def _section(name: str, result: dict) -> list[str]:
              f"{result['runs']} cold runs each after {result['warmup']} warm-up round(s), medians in seconds; "
              f"{trees}; bytecode {result['bytecode']}; `{result['kvlab_executable']}`; "
              f"{prov['time_utc']}, {prov['machine']['cpu']} ({prov['machine']['cores']} cores), "
-             f"torch {prov['torch_version']}, Python {prov['python_version']}.", "",
-             "| figure | " + " | ".join(labels) + (f" | {labels[-1]} / {labels[0]} |" if len(labels) > 1 else " |"),
-             "|---|" + "---|" * (len(labels) + (len(labels) > 1))]
+             f"torch {prov['torch_version']}, Python {prov['python_version']}.", ""]
+    ratio = len(labels) > 1
+    rows = []
     for measure, figures in result["results"].items():  # older runs lack some measures: rows for those they have
         medians = figures["median_s"]
-        row = f"| {LABELS.get(measure, measure)} | " + " | ".join(f"{medians[label]:.3f}" for label in labels)
-        if len(labels) > 1:
-            row += f" | {medians[labels[-1]] / medians[labels[0]]:.2f}"
-        lines.append(row + " |")
+        rows.append([LABELS.get(measure, measure), *(f"{medians[label]:.3f}" for label in labels)]
+                    + ([f"{medians[labels[-1]] / medians[labels[0]]:.2f}"] if ratio else []))
+    lines += table(["figure", *labels] + ([f"{labels[-1]} / {labels[0]}"] if ratio else []), rows)
     lines.append("")
     return lines
 
@@ -70,9 +71,7 @@ def render(folder: Path) -> str:
 
 def main(argv: list[str]) -> int:
     folder = Path(argv[0] if argv else "reports/startup")
-    temp = folder / ".README.md.tmp"  # then a rename: a reader never sees half a page
-    temp.write_text(render(folder))
-    os.replace(temp, folder / "README.md")
+    write_atomic(folder / "README.md", render(folder))
     print(f"wrote {folder / 'README.md'}")
     return 0
 

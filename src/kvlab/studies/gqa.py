@@ -21,9 +21,9 @@ import torch
 from kvlab.checkpoints.convert import METHODS, convert_kv_heads
 from kvlab.nn.model import Decoder
 from kvlab.studies import gqa_measure as measure
-from kvlab.studies import provenance
+from kvlab.bench.provenance import git_commit, git_state, load_average, provenance
 from kvlab.studies.gqa_config import Preset, Variant, fingerprint, train_config, uptrain_config, variants
-from kvlab.studies.store import read_json, write_json
+from kvlab.files import read_json, write_json
 from kvlab.train.data import CharCorpus, cache_dir, eval_batches, load_corpus
 from kvlab.train.loop import Trainer, mean_loss, validation_loss
 
@@ -56,8 +56,8 @@ class GqaStudy:
         self.out = Path(options.out) if options.out is not None else self.work / "report"
         self.variants = variants(self.preset, corpus.vocab_size)
         self.started = time.time()
-        self.load_start = provenance.load_average()
-        self.git = provenance.git_info()  # the code this process imported, not what the tree holds later
+        self.load_start = load_average()
+        self.git = git_state()  # the code this process imported, not what the tree holds later
 
     def log(self, message: str) -> None:
         if self.options.log is not None:
@@ -214,14 +214,13 @@ class GqaStudy:
         invocations = read_json(self.work / "invocations.json") or []
         now = time.time() - self.started
         return {
-            "git": self.git, "versions": provenance.versions(), "machine": provenance.machine(),
+            **provenance(git=self.git),
             "data": {"source": self.corpus.source, "sha256": self.corpus.sha256, "vocab_size": self.corpus.vocab_size,
                      "train_tokens": len(self.corpus.train), "val_tokens": len(self.corpus.val)},
             "seeds": list(self.options.seeds), "work_folder": str(self.work), "report_folder": str(self.out),
             "wall_seconds": now, "wall_seconds_all_invocations": now + sum(i["seconds"] for i in invocations),
             "earlier_invocations": invocations, "stage_seconds": self.stage_seconds(),
             "load_average_start": self.load_start,
-            "load_average_now": provenance.load_average(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
         }
 
@@ -243,8 +242,8 @@ class GqaStudy:
             write_report(results, self.out)
         invocations = read_json(self.work / "invocations.json") or []
         invocations.append({"started": results["provenance"]["started"], "seconds": time.time() - self.started,
-                            "load_average_start": self.load_start, "load_average_end": provenance.load_average(),
-                            "git": self.git})
+                            "load_average_start": self.load_start, "load_average_end": load_average(),
+                            "git_commit": git_commit(self.git)})
         write_json(self.work / "invocations.json", invocations)
         self.log(f"study gqa: wrote {self.out / 'results.json'}")
 

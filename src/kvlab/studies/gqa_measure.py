@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kvlab.cache.base import model_dtype_name
 from kvlab.nn.generate import generate
 from kvlab.nn.mla import MLA
 from kvlab.nn.model import Decoder
@@ -34,7 +35,7 @@ def use_absorbed_decode(model: Decoder) -> Decoder:
 
 def plan_kv_bytes(model: Decoder, tokens: int, batch: int) -> int:
     """kvlab.plan's bytes for `batch` sequences of `tokens` tokens, cache in the model's dtype."""
-    dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype]
+    dtype = model_dtype_name(model.dtype)
     formats = cache_formats("auto", model_dtype=dtype)
     return batch * kv_bytes_per_sequence(model.config.to_plan_spec(), tokens, formats)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from kvlab.files import write_atomic
 from kvlab.plan.errors import PlanError
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -55,11 +55,7 @@ def fetch_tiny_shakespeare(path: Optional[Path] = None, url: str = TINY_SHAKESPE
     if sha256_bytes(data) != TINY_SHAKESPEARE_SHA256:
         raise DataError(f"the download from {url} has sha256 {sha256_bytes(data)}, "
                         f"expected {TINY_SHAKESPEARE_SHA256}; not caching it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
-        handle.write(data)
-    os.replace(handle.name, path)
-    return path
+    return write_atomic(path, data)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,6 @@ leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn import functional as F
 
+from kvlab.files import write_atomic
 from kvlab.plan.errors import PlanError
 from kvlab.train.data import CharCorpus, eval_batches, tiled_windows, train_batch
 from kvlab.train.progress import progress_bar
@@ -117,15 +116,7 @@ def validation_loss(model: torch.nn.Module, corpus: CharCorpus, block_size: int,
 
 def save_atomic(obj: dict, path: Path) -> None:
     """torch.save to a temporary file beside `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            torch.save(obj, handle)
-        os.replace(handle.name, path)
-    except BaseException:
-        Path(handle.name).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda handle: torch.save(obj, handle))
 
 
 class Trainer:
