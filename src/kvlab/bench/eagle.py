@@ -161,10 +161,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     result = run(args)
-    from kvlab.studies.store import write_json
+    from kvlab.files import write_atomic, write_json
     out = Path(args.out)
     write_json(out / "results.json", result)
-    (out / "README.md").write_text(report(result))
+    write_atomic(out / "README.md", report(result))
     print(report(result))
     return 0
 

@@ -121,17 +121,14 @@ class EagleHead(nn.Module):
 
 def save_head(head: EagleHead, directory: str, extra: Optional[dict] = None) -> None:
     """config.json and model.safetensors into `directory` (created; files written atomically)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from kvlab.files import write_atomic
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path / "model.safetensors")
+    write_atomic(path / "model.safetensors", save(tensors))
     meta = {"architecture": ARCHITECTURE, **asdict(head.config), **(extra or {})}
-    tmp = path / "config.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, default=str))
-    os.replace(tmp, path / "config.json")
+    write_atomic(path / "config.json", json.dumps(meta, indent=2, default=str) + "\n")
 
 
 def load_head(directory: str, target_config=None) -> EagleHead:
