@@ -73,6 +73,15 @@ SMALLEST: dict[str, list[str]] = {
     "kvlab draft train --size s --steps 400 --out '~/.cache/kvlab/drafts/smollm2-draft-s' --max-minutes 16":
         ["kvlab", "draft", "train", "--size", "s", "--steps", "2", "--out", "draft-s", "--batch-size", "2",
          "--block-size", "32", "--eval-every", "1", *SMALL_DRAFT],
+    "kvlab draft train --method eagle --corpus-shards 8 --steps 500 --batch-size 16 --lr 1e-3 --text "
+    "../shared/data/english/frankenstein.txt --text-tokens 16384 --out '~/.cache/kvlab/drafts/smollm2-eagle' "
+    "--max-minutes 10":
+        ["kvlab", "draft", "train", "--method", "eagle", "--steps", "2", "--batch-size", "2", "--eval-every", "1",
+         "--text", "novel.txt", "--text-tokens", "512", "--out", "eagle-head", *SMALL_DRAFT],
+    "kvlab serve smollm2-135m --speculative-config '{\"method\": \"eagle\", \"model\": "
+    "\"~/.cache/kvlab/drafts/smollm2-eagle\", \"num_speculative_tokens\": 2}'":
+        ["kvlab", "serve", "smollm2-135m", "--speculative-config",
+         '{"method": "eagle", "model": "eagle-head", "num_speculative_tokens": 2}'],
     f"kvlab serve smollm2-135m --speculative-config '{SPECULATIVE}'":
         ["kvlab", "serve", "smollm2-135m", "--speculative-config",
          '{"method": "draft_model", "model": "draft-xs", "num_speculative_tokens": 3}'],

@@ -127,3 +127,33 @@ def test_a_trained_draft_loads_through_speculative_config_and_keeps_greedy_outpu
     stats = spec.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
     assert spec.engine.blocks.num_free == spec.engine.blocks.num_blocks
+
+
+def test_an_eagle_head_trains_resumes_and_serves_with_greedy_output_unchanged(tmp_path):
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    out = tmp_path / "head"
+    argv = ["draft", "train", "--method", "eagle", "--teacher", "stories260k", "--steps", "4", "--batch-size", "2",
+            "--eval-every", "2", "--corpus-shards", "1", "--shard-size", "2", "--max-tokens", "8",
+            "--draft-vocab", "64", "--corpus-dir", str(tmp_path / "corpus"), "--out", str(out), "--no-progress",
+            "--json", str(tmp_path / "summary.json"), "--stop-after", "2"]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "partial" and summary["step"] == 2 and summary["positions"] > 0
+    assert main(argv[:-2]) == 0  # resumes from OUT.train/checkpoint.pt and the cached hidden states
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["step"] == 4
+    assert [h["step"] for h in summary["history"]] == [2, 4]
+    assert 0 <= summary["validation"]["chat"]["agree1"] <= 1
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == "kvlab-eagle-head" and config["draft_vocab"] == 64
+
+    from kvlab.engine import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["Once upon a time", "The cat sat on the mat and"]
+    plain = LLM("stories260k", kv_cache_memory=400_000, block_size=4)
+    spec = LLM("stories260k", kv_cache_memory=400_000, block_size=4,
+               speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert spec.engine.spec_stats.num_drafts > 0
+    assert spec.engine.blocks.num_free == spec.engine.blocks.num_blocks

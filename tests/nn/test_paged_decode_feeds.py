@@ -87,3 +87,27 @@ def test_logit_rows_must_be_ascending_rows_of_the_step():
     for bad in ([1, 0], [0, 2], [4], [-1]):
         with pytest.raises(ValueError, match="outside"):
             step.feeds([[1, 2]], [3], tables, logit_rows=bad)
+
+
+def test_hidden_states_are_the_module_paths_for_every_row():
+    """`hidden` receives every fed row's final hidden state (after the final norm), whichever rows get scores;
+    `inputs` replaces the embeddings (an EAGLE head's fused features) and gives the same step."""
+    model = ggml_model(GQA)
+    (ours, reference), tables = prefilled(model, [3, 6])
+    starts, feed_lens = [3, 6], [4, 2]
+    feeds = [torch.randint(0, GQA.vocab_size, (n,), generator=torch.Generator().manual_seed(5 + i)).tolist()
+             for i, n in enumerate(feed_lens)]
+    hidden = torch.empty(sum(feed_lens), GQA.dim)
+    step = PagedDecodeStep(model, ours, max_rows=8)
+    logits = step.feeds(feeds, starts, tables, logit_rows=[3, 5], hidden=hidden)
+    batch = StepBatch.build(starts, feed_lens, tables, BLOCK)
+    flat = torch.tensor([[t for f in feeds for t in f]])
+    with torch.inference_mode():
+        want_logits, want_hidden = model(flat, reference, step=batch, rows=torch.tensor([3, 5]), with_hidden=True)
+    assert_close_to_scale(hidden, want_hidden[0])
+    assert_close_to_scale(logits, want_logits[0])
+    again = torch.empty_like(hidden)
+    with torch.inference_mode():
+        embedded = model.embed(flat[0]).float()
+    step.feeds(feeds, starts, tables, logit_rows=[3, 5], hidden=again, inputs=embedded)
+    torch.testing.assert_close(again, hidden, rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
     kvlab draft train --size xs --out drafts/smollm2-draft-xs --max-minutes 8   # again to resume
     kvlab serve smollm2-135m --speculative-config '{"method": "draft_model", "model": "drafts/smollm2-draft-xs"}'
+    kvlab draft train --method eagle --out drafts/smollm2-eagle --max-minutes 10   # a head on SmolLM2's hidden states
 
 `train` first generates the corpus shards that are missing (the teacher's answers and top
 log-probabilities, through the engine; cached under the kvlab cache folder), then trains
@@ -44,6 +45,9 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     t = train.add_argument_group("training")
     t.add_argument("--out", required=True, help="the draft's model directory (config.json, model.safetensors, "
                                                 "tokenizer); its checkpoint lives in OUT.train/")
+    t.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
+                   help="draft_model: a separate small model (default); eagle: a head on the target's own hidden "
+                        "states (kvlab.nn.eagle), served with {\"method\": \"eagle\"}")
     t.add_argument("--size", choices=sorted(SIZES), default="xs", help="draft shape (kvlab.draft.model.SIZES)")
     t.add_argument("--objective", choices=OBJECTIVES, default="kl",
                    help="kl: forward KL(target || draft); tv: total variation, 1 - acceptance (default kl)")
@@ -58,6 +62,15 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     t.add_argument("--partial-corpus", action="store_true",
                    help="train on the shards generated so far when the corpus is not complete (default: wait for it)")
     t.add_argument("--json", metavar="PATH", help="write the training summary here")
+    e = train.add_argument_group("eagle (--method eagle)")
+    e.add_argument("--draft-vocab", type=positive_int, default=8192,
+                   help="tokens the head scores: the target's most frequent choices (default 8192)")
+    e.add_argument("--token-budget", type=positive_int, help="stop once the head trained on this many positions")
+    e.add_argument("--window", type=positive_int, default=4, help="positions the head's attention sees (default 4)")
+    e.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="plain-text file whose 256-token pieces join the corpus as training text (repeatable)")
+    e.add_argument("--text-tokens", type=positive_int, default=32768,
+                   help="tokens taken from each --text file (default 32768)")
     train.set_defaults(run=run_train)
 
 
@@ -102,6 +115,9 @@ def run_corpus(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.method == "eagle":
+        from kvlab.commands.draft_eagle_cmd import run_train_eagle
+        return run_train_eagle(args)
     import torch
 
     from kvlab.checkpoints.resolve import load_model
@@ -153,13 +169,22 @@ def run_train(args: argparse.Namespace) -> int:
 def save_draft(model, tokenizer, out: str, summary: dict) -> None:
     """The model directory, written beside `out` and renamed into place (an old one is replaced)."""
     from kvlab.checkpoints.hf import save_hf
+
+    def write(staging: Path) -> None:
+        save_hf(model.eval(), str(staging), tokenizer)
+        with open(staging / "kvlab_draft.json", "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    replace_directory(out, write)
+
+
+def replace_directory(out: str, write) -> None:
+    """`write(staging)` fills a temporary folder beside `out`, which is then renamed into place: a run
+    killed half way leaves the old directory (or none), never a half-written one."""
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
     try:
-        save_hf(model.eval(), str(staging), tokenizer)
-        with open(staging / "kvlab_draft.json", "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+        write(staging)
         if target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".old-"))
             os.replace(target, old / target.name)

@@ -143,6 +143,11 @@ class LLMEngine:
             if draft.config.vocab_size != mc.vocab_size:
                 raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
+        head = None
+        if self.speculative is not None and self.speculative.method == "eagle":
+            import os
+            from kvlab.nn.eagle import load_head
+            head = load_head(os.path.expanduser(self.speculative.model), mc)  # another target's head: one line
         # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
         # with a draft model every block holds both models' K/V (kvlab.plan.speculative, as `kvlab plan --draft`)
         windowed = config.kv_window is not None
@@ -161,6 +166,11 @@ class LLMEngine:
         else:
             self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
                                             self.max_model_len, formats, config.block_size)
+        if head is not None:  # no K/V of its own: each running sequence keeps `window` hidden states
+            self.capacity["log_lines"].append(
+                f"EAGLE head: no KV cache; {head.config.window} hidden states ({head.config.window * mc.dim * 4:,} B) "
+                f"per running sequence, {head.config.param_count() / 1e6:.1f}M parameters, "
+                f"draft vocabulary {head.config.draft_vocab:,}")
         num_blocks = self.capacity["num_gpu_blocks"]
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
@@ -189,7 +199,7 @@ class LLMEngine:
                 draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
                 draft = packed if draft_step is not None else draft
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len, draft_step)
+                                  self.max_model_len, draft_step, head)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.threads = ThreadGovernor()  # all threads on a quiet machine, one when the cores are shared
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}

@@ -40,6 +40,7 @@ from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
+from kvlab.engine.eagle_proposer import record_features
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
 from kvlab.nn.matmul_backend import uses_library
@@ -62,7 +63,7 @@ def group_tables(seqs: list[Sequence], groups: int) -> list[list[list[int]]]:
 class ModelRunner:
     def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
                  speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
-                 max_model_len: Optional[int] = None, draft_step=None) -> None:
+                 max_model_len: Optional[int] = None, draft_step=None, head=None) -> None:
         self.model, self.pool = model, pool
         self.generator = torch.Generator().manual_seed(seed)
         # Penalties, logit_bias, min_tokens and grammar masks (kvlab.engine.logits_process), set by the
@@ -76,6 +77,10 @@ class ModelRunner:
         self.spec_stats = SpecStats()
         self.max_model_len = max_model_len or model.config.max_seq_len
         self.draft_step = draft_step  # the draft model's C step over draft_pool, where one applies
+        self.eagle = None
+        if head is not None:
+            from kvlab.engine.eagle_proposer import EagleProposer
+            self.eagle = EagleProposer(head, model)
         if speculative is not None and speculative.method == "self":
             layers = model.config.n_layers
             self.self_layers = speculative.num_layers or max(1, layers // 4)
@@ -105,7 +110,8 @@ class ModelRunner:
         batch = StepBatch.build([seq.num_computed for seq in seqs], lens, block_size=self.pool.block_size,
                                 group_tables=tables, seats=[seq.seat or 0 for seq in seqs])
         ends = torch.tensor(lens).cumsum(0)
-        if self.paged_step is not None and batch.is_decode:
+        hidden = None  # every fed row's final hidden state, for an EAGLE head
+        if self.paged_step is not None and batch.is_decode and self.eagle is None:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
         else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
@@ -116,8 +122,14 @@ class ModelRunner:
             in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT
                                      and not self._on_library(int(ends[-1])))
             if self.paged_step is not None and in_c:  # a row per token, in C
+                if self.eagle is not None:
+                    hidden = torch.empty(int(ends[-1]), self.model.config.dim)
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                               tables, logit_rows=flat)
+                                               tables, logit_rows=flat, hidden=hidden)
+            elif self.eagle is not None:
+                logits, hidden = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
+                                            rows=torch.tensor(flat), with_hidden=True)
+                logits, hidden = logits[0], hidden[0]
             else:
                 logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                     rows=torch.tensor(flat))[0]
@@ -128,9 +140,14 @@ class ModelRunner:
         out: list[list[Sampled]] = [[] for _ in seqs]
         plain = []
         for i, (seq, n) in enumerate(zip(seqs, lens)):
+            start = seq.num_computed
             if drafts[i]:
                 out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
-            else:
+            if hidden is not None:  # the rows whose K/V stay: a prompt chunk's all, a verification's accepted
+                first = int(ends[i]) - n
+                kept = seq.num_computed - start if drafts[i] else n
+                record_features(seq, start, hidden[first:first + kept], self.eagle.window)
+            if not drafts[i]:
                 if seq.params.prompt_logprobs is not None:  # the rows read for this feed end at its last token
                     record_prompt_logprobs(seq, logits[rows[i]], seq.num_computed + n - len(rows[i]))
                 seq.num_computed += n
@@ -175,7 +192,10 @@ class ModelRunner:
 
     def _propose(self, seqs: list[Sequence], decoding: list[bool]) -> tuple[list[list[int]], list]:
         spec = self.spec
-        budgets = [self._budget(seq) if dec else 0 for seq, dec in zip(seqs, decoding)]
+        busy = spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size
+        budgets = [self._budget(seq) if dec and not busy else 0 for seq, dec in zip(seqs, decoding)]
+        if self.eagle is not None:
+            return self.eagle.propose(seqs, budgets, self.generator)
         if spec.method == "ngram":
             return ([ngram_proposal(seq.all_ids, b, spec.prompt_lookup_min, spec.prompt_lookup_max) if b else []
                      for seq, b in zip(seqs, budgets)], [None] * len(seqs))

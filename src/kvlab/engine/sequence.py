@@ -41,6 +41,7 @@ class Sequence:
     seat: Optional[int] = None  # a place among max_num_seqs while running (a KIVI pool's residual rows)
     num_computed: int = 0
     draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
+    draft_features: Optional[tuple] = None  # (first position, [n, dim]): an EAGLE head's window of target hidden states
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)
     preemptions: int = 0
     first_scheduled: Optional[float] = None

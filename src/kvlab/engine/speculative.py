@@ -19,6 +19,10 @@ Proposers (vLLM's `speculative_config` names):
   verification, so the self-draft needs no cache of its own.
 - "draft_model": a separate model sharing the tokenizer, with its own pool of the same
   blocks: one block table addresses both, so the pool's bytes per block count both caches.
+- "eagle": an EAGLE head (kvlab.nn.eagle, trained by `kvlab draft train --method eagle`) on the
+  target's own final hidden states, drafting from a reduced vocabulary mapped back to the
+  target's ids (kvlab.engine.eagle_proposer). It keeps no K/V: each sequence holds its last
+  `window` hidden states, and the head recomputes that band every round.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import SamplingParams, filtered_logits
 
-METHODS = ("ngram", "self", "draft_model")
+METHODS = ("ngram", "self", "draft_model", "eagle")
 
 
 @dataclass
@@ -43,6 +47,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: Optional[str] = None
     num_layers: Optional[int] = None  # self-draft depth (default: a quarter of the target's layers)
+    # vLLM's: no drafts in a step whose batch holds at least this many sequences (where verifying
+    # extra rows costs more than the accepted tokens save; kvlab.bench.speculative says where)
+    disable_by_batch_size: Optional[int] = None
 
     @classmethod
     def parse(cls, value: Union[str, dict, "SpeculativeConfig", None]) -> Optional["SpeculativeConfig"]:
@@ -71,10 +78,13 @@ class SpeculativeConfig:
                                "speculative_config")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise RequestError("num_speculative_tokens must be an integer from 1 to 16", "speculative_config")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise RequestError("disable_by_batch_size must be a positive integer", "speculative_config")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise RequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-        if self.method == "draft_model" and not self.model:
-            raise RequestError('the "draft_model" method needs "model": a path or name', "speculative_config")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise RequestError(f'the "{self.method}" method needs "model": a path or name', "speculative_config")
 
 
 def ngram_proposal(ids: Sequence[int], k: int, low: int, high: int) -> list[int]:

@@ -119,7 +119,7 @@ class Decoder(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, tokens: torch.Tensor, cache=None, last_only: bool = False, step=None,
-                rows: Optional[torch.Tensor] = None, num_layers: Optional[int] = None) -> torch.Tensor:
+                rows: Optional[torch.Tensor] = None, num_layers: Optional[int] = None, with_hidden: bool = False):
         """tokens [B,T] -> logits [B,T,vocab] (or [B,1,vocab] with `last_only`, all a sampler needs).
 
         With `step` (a kvlab.cache.StepBatch) tokens [1, N] are several sequences' new tokens
@@ -127,6 +127,8 @@ class Decoder(nn.Module):
         last token: logits [1, num_seqs, vocab]. `rows` picks packed positions explicitly (a
         speculative verification needs every drafted position). `num_layers` stops after that
         many blocks, then applies the final norm and LM head: the self-draft of speculative decoding.
+        `with_hidden` returns (logits, hidden): hidden [B, T, dim] is every position's final hidden
+        state after the final norm (what the LM head reads; the features a draft head drafts from).
         """
         if isinstance(cache, PooledRows):  # the lab's batch of rows on a pool: the engine's own step
             return self._rows_forward(tokens, cache, last_only, num_layers)
@@ -136,6 +138,11 @@ class Decoder(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)  # rounded to the dtype first, as Gemma does
         for layer, block in enumerate(self.blocks[:num_layers] if num_layers else self.blocks):
             x = block(x, self.rope_for(layer), start, cache, layer, step)
+        if with_hidden:
+            hidden = self.norm(x)
+            picked = hidden[:, rows] if rows is not None else \
+                (hidden[:, step.last_token_index()] if step is not None else hidden[:, -1:]) if last_only else hidden
+            return self.lm_head(picked), hidden
         if rows is not None:
             x = x[:, rows]
         elif last_only:

@@ -141,20 +141,25 @@ class PagedDecodeStep:
         return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables))
 
     def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list,
-              logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+              logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
+              inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order,
         or only for the packed rows `logit_rows` (ascending) when given: [len(logit_rows), V].
 
         `block_tables` is each sequence's table, or for a pool of several KV groups one list of
         tables per group. Each token is a row of its own (see the module doc), so a prompt's
-        chunk runs here too; blocks must already cover every position.
+        chunk runs here too; blocks must already cover every position. `hidden` (fp32 [rows, dim],
+        contiguous) receives every row's final hidden state (after the final norm: what the LM
+        head reads). `inputs` (fp32 [rows, dim]) replaces the tokens' embeddings as the rows'
+        input (an EAGLE head's fused features); `feeds` then only give the positions.
         """
         lengths = torch.tensor([len(feed) for feed in feeds])
         ids = torch.tensor([t for feed in feeds for t in feed])
         first = torch.tensor(starts).repeat_interleave(lengths)
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         grouped = block_tables if block_tables and isinstance(block_tables[0][0], list) else [block_tables]
-        return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows)
+        return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows,
+                         hidden, inputs)
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] (a pool of one
@@ -162,17 +167,27 @@ class PagedDecodeStep:
         return self._run(ids, positions, _padded([block_tables]))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-             logit_rows: Optional[list[int]] = None) -> torch.Tensor:
+             logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
+             inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows = int(ids.numel())
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()
-        x = embed_rows(self.model, ids.reshape(rows))
+        dim = self.model.config.dim
+        if inputs is not None:  # the C step overwrites its input rows (the residual stream): a copy
+            if tuple(inputs.shape) != (rows, dim):
+                raise ValueError(f"inputs must be [{rows}, {dim}], got {list(inputs.shape)}")
+            x = inputs.to(torch.float32).clone(memory_format=torch.contiguous_format)
+        else:
+            x = embed_rows(self.model, ids.reshape(rows))
+        if hidden is not None and (tuple(hidden.shape) != (rows, dim) or hidden.dtype != torch.float32
+                                   or not hidden.is_contiguous()):
+            raise ValueError(f"hidden must be a contiguous fp32 [{rows}, {dim}] tensor")
         picks = torch.tensor(logit_rows, dtype=torch.int32) if logit_rows is not None else None
         logits = torch.empty(rows if picks is None else len(picks), self.model.config.vocab_size)
         status = kernels().llama_paged_step(ctypes.byref(self._struct), rows, positions.data_ptr(), tables.data_ptr(),
                                             tables.shape[2], self.pool.block_size, self.pool.num_blocks,
                                             x.data_ptr(), address(picks), logits.shape[0], logits.data_ptr(),
-                                            self._arena)
+                                            address(hidden), self._arena)
         if status:
             raise (MemoryError if status == -1 else ValueError)(f"the paged decode step {ERRORS.get(status, status)}")
         return logits

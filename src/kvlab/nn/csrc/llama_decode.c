@@ -622,22 +622,25 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
  * share a (block, offset): each writes its own token. */
 int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                      int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
-                     float *logits, kvlab_arena *arena);
+                     float *logits, float *hidden, kvlab_arena *arena);
 
 int llama_paged_decode_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                             int max_blocks, int block_size, int num_blocks, float *x, float *logits,
                             kvlab_arena *arena) {
     return llama_paged_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks, x, NULL, rows,
-                            logits, arena);
+                            logits, NULL, arena);
 }
 
 /* llama_paged_decode_step with logits for some rows only: logit_rows [n_logits], ascending
  * (NULL: every row, n_logits = rows), logits [n_logits, vocab]. A prompt fed as rows needs
  * the next-token scores of its last row alone, and the LM head is a fifth of SmolLM2's
- * weights: 128 rows of a prompt would spend as much on scores nobody reads as on the layers. */
+ * weights: 128 rows of a prompt would spend as much on scores nobody reads as on the layers.
+ * hidden [rows, dim] (NULL: not wanted) receives every row's final hidden state, the residual
+ * stream after the final norm (the vector the LM head reads, in fp32, before it is quantised):
+ * the features an EAGLE draft head (kvlab.nn.eagle) drafts from. */
 int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                      int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
-                     float *logits, kvlab_arena *arena) {
+                     float *logits, float *hidden, kvlab_arena *arena) {
     const int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
     if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows)) return -2;
@@ -678,6 +681,11 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
 #pragma omp parallel
     {
         for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], &view, x, &s);
+        if (hidden) { /* every row's, before the rows that want scores move to the front */
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++)
+                rms_norm(x + (size_t)r * m->dim, m->final_norm, m->dim, m->eps, hidden + (size_t)r * m->dim);
+        }
         if (logit_rows) { /* the rows that want scores to the front, in order (row i <= logit_rows[i]) */
 #pragma omp single
             for (int i = 0; i < n_logits; i++)

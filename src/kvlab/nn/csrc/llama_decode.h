@@ -22,6 +22,7 @@ enum {
 
 #define CHUNK 128    /* tokens per attention work unit */
 #define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
+#define PAGED_STEP_ARGS 13 /* llama_paged_step's parameters: its ctypes binding declares as many */
 
 /* The MLP's gate (llama_model.activation). */
 enum {

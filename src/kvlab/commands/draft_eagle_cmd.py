@@ -1,0 +1,115 @@
+"""`kvlab draft train --method eagle`: an EAGLE head (kvlab.nn.eagle) trained on the target's hidden states.
+
+    kvlab draft train --method eagle --out drafts/smollm2-eagle --max-minutes 10   # again to resume
+    kvlab serve smollm2-135m --speculative-config '{"method": "eagle", "model": "drafts/smollm2-eagle"}'
+
+The corpus (the target's own answers, kvlab.draft.corpus) and any --text files go through the
+target once (hidden states cached in OUT.train/features.pt); training resumes from
+OUT.train/checkpoint.pt; the head directory OUT is written at the end of every invocation, its
+config.json saying "status": "done" or "partial" and the held-out greedy agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+WINDOW_LEN = 64  # training positions per window
+TEXT_PIECE = 256  # tokens per piece of a --text file
+HELD_OUT_EVERY = 20  # every 20th text piece is validation (the corpus has its own split)
+
+
+def _log(line: str) -> None:
+    print(f"[kvlab draft] {line}", file=sys.stderr)
+
+
+def text_pieces(tokenizer, paths: list[str], tokens_each: int) -> list[list[int]]:
+    from kvlab.plan.errors import PlanError
+    out = []
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError as error:
+            raise PlanError(f"--text {path}: {error.strerror or error}") from None
+        ids = tokenizer.encode(text[: tokens_each * 8])[:tokens_each]  # ~4 characters a token: enough text
+        out += [ids[i:i + TEXT_PIECE] for i in range(0, len(ids) - 8, TEXT_PIECE)]
+    return out
+
+
+def run_train_eagle(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvlab.commands.draft_cmd import _corpus, _write_json
+    from kvlab.draft.corpus import build_corpus, load_records
+    from kvlab.draft.distill import split_records, trainable
+    from kvlab.draft.eagle_train import (EagleTrainConfig, EagleTrainer, draft_vocabulary, evaluate,
+                                         load_or_collect, new_head)
+    from kvlab.engine.llm import load_for_engine
+    from kvlab.nn.fused_decode import embed_rows
+
+    started = time.monotonic()
+    budget = args.max_minutes * 60 if args.max_minutes else None
+    corpus_config, directory = _corpus(args)
+    manifest = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
+    result = {"command": "kvlab " + " ".join(sys.argv[1:]), "method": "eagle", "out": args.out, "corpus": manifest}
+    if not manifest["complete"] and not (args.partial_corpus and manifest["shards_present"]):
+        result["status"] = "corpus incomplete"
+        print(f"corpus: {manifest['shards_present']}/{manifest['shards_total']} shards; run again to continue")
+        _write_json(args.json, result)
+        return 0
+    train_records, val_records = split_records(trainable(load_records(corpus_config, directory)))
+    model, tokenizer = load_for_engine(args.teacher)
+    model.eval()
+    pieces = text_pieces(tokenizer, args.text, args.text_tokens)
+    train_seqs = [(r["prompt_ids"].tolist() + r["output_ids"].tolist()) for r in train_records]
+    val_seqs = [(r["prompt_ids"].tolist() + r["output_ids"].tolist()) for r in val_records]
+    train_seqs += [p for i, p in enumerate(pieces) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    val_text = [p for i, p in enumerate(pieces) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    work = Path(args.out + ".train")
+    key = hashlib.sha256(json.dumps([corpus_config.key(), args.teacher, train_seqs, val_seqs + val_text],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    records = load_or_collect(work / "features.pt", model, train_seqs + val_seqs + val_text, key, args.progress)
+    val_at = len(train_seqs)  # corpus answers: where each answer starts (text pieces are all answer)
+    for record, source in zip(records[:len(train_records)] + records[val_at:val_at + len(val_records)],
+                              train_records + val_records):
+        record["answer_from"] = len(source["prompt_ids"])
+    train = records[:len(train_seqs)]
+    val_chat, val_txt = records[len(train_seqs):len(train_seqs) + len(val_seqs)], records[len(train_seqs) + len(val_seqs):]
+    with torch.inference_mode():
+        vocab = model.config.vocab_size
+        embedding = torch.cat([embed_rows(model, torch.arange(i, min(i + 4096, vocab))) for i in range(0, vocab, 4096)])
+    d2t, coverage = draft_vocabulary(train, args.draft_vocab, vocab)
+    cfg = EagleTrainConfig(steps=args.steps, batch_size=args.batch_size, window_len=WINDOW_LEN, lr=args.lr,
+                           draft_vocab=len(d2t), token_budget=args.token_budget, eval_every=args.eval_every,
+                           seed=args.seed)
+    head = new_head(model, embedding, d2t, args.seed, window=args.window)
+    trainer = EagleTrainer(head, train, val_chat, embedding, cfg, work / "checkpoint.pt", _log, args.progress)
+    left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
+    trainer.fit(max_seconds=left, stop_after=args.stop_after)
+    metrics = {"chat": evaluate(head, trainer.t2d, val_chat, embedding, WINDOW_LEN, cfg)}
+    if val_txt:
+        metrics["text"] = evaluate(head, trainer.t2d, val_txt, embedding, WINDOW_LEN, cfg)
+    result.update({"status": "done" if trainer.done else "partial", "step": trainer.step, "positions": trainer.tokens,
+                   "train_seconds": round(trainer.seconds, 1), "draft_vocab_coverage": round(coverage, 4),
+                   "validation": metrics, "history": trainer.history, "train_sequences": len(train),
+                   "params": head.config.param_count(), "train_config": asdict(cfg), "text": args.text})
+    write_head(head, args.out, result)
+    chat = metrics["chat"]
+    print(f"eagle head: step {trainer.step}/{cfg.steps}, {trainer.tokens:,} positions, draft vocabulary "
+          f"{len(d2t)} ({coverage:.1%} of the target's choices), held-out greedy agreement {chat['agree1']:.3f} "
+          f"(position 1), {chat['agree2']:.3f} (position 2); saved {args.out}"
+          + ("" if trainer.done else " (partial: run again to continue)"))
+    _write_json(args.json, result)
+    return 0
+
+
+def write_head(head, out: str, summary: dict) -> None:
+    """The head directory, written beside `out` and renamed into place (an old one is replaced)."""
+    from kvlab.commands.draft_cmd import replace_directory
+    from kvlab.nn.eagle import save_head
+    replace_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))

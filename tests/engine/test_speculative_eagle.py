@@ -1,0 +1,158 @@
+"""Speculation with an EAGLE head (kvlab.nn.eagle): greedy output equals the output without it, on the
+C step and module by module, at batch 1 and in a mixed batch; sampled runs are seed-reproducible;
+the pool ends empty; a head trained for another target is refused in one line."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+from kvlab.engine.eagle_proposer import record_features
+from kvlab.engine.sequence import Sequence
+from kvlab.errors import KvlabError
+from kvlab.nn.config import ModelConfig
+from kvlab.nn.eagle import EagleConfig, EagleHead, save_head
+from kvlab.nn.model import Decoder
+from engine_helpers import assert_pool_free, run_all
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
+from test_fused_decode import GQA, ggml_model  # noqa: E402
+
+from needs import require_kernels
+
+TARGET = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 128, "n_layers": 3, "name": "target"})
+PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7]]
+
+
+def head_dir(tmp_path_factory, dim=TARGET.dim, vocab=TARGET.vocab_size) -> str:
+    torch.manual_seed(4)
+    config = EagleConfig(target="target", dim=dim, target_vocab=vocab, draft_vocab=vocab // 2, n_heads=2,
+                         head_dim=16, ffn=48, window=3)
+    directory = tmp_path_factory.mktemp("head") / "eagle"
+    save_head(EagleHead(config, torch.randperm(vocab)[:vocab // 2]), str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    return head_dir(tmp_path_factory)
+
+
+def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, fused=True, temperature=0.0):
+    engine = LLMEngine(model, None, EngineConfig(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8,
+                                                 speculative_config=spec, fused=fused, max_num_batched_tokens=16))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i),
+                           request_id=f"r{i}")
+    got = run_all(engine)
+    assert_pool_free(engine)
+    return engine, got
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["c-step", "modules"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculation_with_a_head_is_the_output_without(head, fused, batch):
+    if fused:
+        require_kernels()
+    model = ggml_model(TARGET) if fused else Decoder(TARGET).eval()
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    _, want = outputs(model, None, PROMPTS[:batch], fused=fused)
+    engine, got = outputs(model, spec, PROMPTS[:batch], fused=fused)
+    assert engine.decode_path == ("fused C step" if fused else "module by module")
+    assert got == want
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert any("EAGLE head: no KV cache" in line for line in engine.capacity_lines)
+
+
+def context_free_target() -> Decoder:
+    """A target whose blocks add nothing (attention out and MLP down are zero): its hidden state at i is
+    norm(embedding(x_i)), so its next token depends on the current one alone."""
+    torch.manual_seed(5)
+    model = Decoder(TARGET).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.o.weight.zero_()
+            block.mlp.down.weight.zero_()
+    return model
+
+
+def oracle_head(target: Decoder, directory: str) -> str:
+    """The head that is exactly right for `context_free_target`: its feature is norm(embedding(x_{i+1})) (the
+    fused input's embedding half passed through, the layer's additions zero), scored by the tied embedding's
+    rows for its draft vocabulary (every token, in a shuffled order: the map is exercised)."""
+    vocab, dim = TARGET.vocab_size, TARGET.dim
+    config = EagleConfig(target="target", dim=dim, target_vocab=vocab, draft_vocab=vocab, n_heads=2, head_dim=16,
+                         ffn=48, window=3, norm_eps=TARGET.norm_eps)
+    d2t = torch.randperm(vocab, generator=torch.Generator().manual_seed(6))
+    head = EagleHead(config, d2t)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.fc.weight[:, :dim] = torch.eye(dim)
+        head.out_norm.weight.copy_(target.norm.weight)
+        head.lm_head.weight.copy_(target.embed.weight[d2t])
+    save_head(head, directory)
+    return directory
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["c-step", "modules"])
+def test_a_head_that_is_right_has_its_drafts_accepted(tmp_path, fused):
+    """Acceptance, rollback of the bonus and the window's bookkeeping over long accepted runs."""
+    if fused:
+        require_kernels()
+    from kvlab.nn.pack import pack_q8_0
+    dense = context_free_target()
+    model = pack_q8_0(dense) if fused else dense
+    spec = {"method": "eagle", "model": oracle_head(dense, str(tmp_path / "oracle")), "num_speculative_tokens": 3}
+    _, want = outputs(model, None, fused=fused, max_tokens=30)
+    engine, got = outputs(model, spec, fused=fused, max_tokens=30)
+    assert got == want
+    stats = engine.spec_stats
+    assert stats.acceptance_rate >= 0.9, stats
+    assert stats.accepted_per_position[2] > 0
+
+
+def test_sampled_speculation_with_a_head_is_seed_reproducible(head):
+    model = Decoder(TARGET).eval()
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2}
+    runs = [outputs(model, spec, PROMPTS[:2], fused=False, temperature=0.9)[1] for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(ids) == 20 for ids in runs[0].values())
+
+
+def test_a_head_for_another_target_is_refused_in_one_line(tmp_path_factory):
+    other = head_dir(tmp_path_factory, dim=32)
+    with pytest.raises(KvlabError) as caught:
+        LLMEngine(Decoder(TARGET).eval(), None, EngineConfig(kv_cache_memory=2_000_000, block_size=4,
+                                                             speculative_config={"method": "eagle", "model": other}))
+    assert "hidden size 32" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_recorded_features_keep_the_window_and_roll_back():
+    seq = Sequence("r", [1, 2, 3], SamplingParams(), 0.0)
+    rows = torch.arange(10, dtype=torch.float32)[:, None]
+    record_features(seq, 0, rows[:5], window=3)
+    assert seq.draft_features[0] == 2 and seq.draft_features[1][:, 0].tolist() == [2, 3, 4]
+    record_features(seq, 5, rows[5:7], window=3)  # the next positions extend it
+    assert seq.draft_features[0] == 4 and seq.draft_features[1][:, 0].tolist() == [4, 5, 6]
+    record_features(seq, 6, rows[8:9], window=3)  # a rerun from position 6 replaces what was there
+    assert seq.draft_features[0] == 4 and seq.draft_features[1][:, 0].tolist() == [4, 5, 8]
+    record_features(seq, 0, rows[:2], window=3)  # recomputed from the start (a preemption)
+    assert seq.draft_features[0] == 0 and seq.draft_features[1][:, 0].tolist() == [0, 1]
+
+
+def test_disable_by_batch_size_drafts_only_in_smaller_batches(head):
+    model = Decoder(TARGET).eval()
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2, "disable_by_batch_size": 2}
+    _, want = outputs(model, None, PROMPTS, fused=False)
+    engine, got = outputs(model, spec, PROMPTS, fused=False)
+    assert got == want
+    alone, _ = outputs(model, spec, PROMPTS[:1], fused=False)
+    together = engine.spec_stats.num_drafts
+    assert alone.spec_stats.num_drafts > 0
+    # four requests of 20 tokens: drafts only once the batch has shrunk below two sequences
+    assert together <= alone.spec_stats.num_drafts + 20
+    busy, _ = outputs(model, {**spec, "disable_by_batch_size": 1}, PROMPTS[:1], fused=False)
+    assert busy.spec_stats.num_drafts == 0
