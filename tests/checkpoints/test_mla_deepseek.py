@@ -138,3 +138,16 @@ def test_a_calibration_text_too_short_is_one_line(stories_path, tmp_path, capsys
                  str(tmp_path / "out")]) == 2
     assert "fewer than one" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["short.txt"]
+
+
+def test_padding_the_latent_keeps_the_function_and_survives_the_fold(tmp_path):
+    from kvlab.checkpoints.mla_aware import pad_latent
+
+    model = convert_to_mla_aware(tiny(), 12, 8, calibration()).model
+    padded = pad_latent(model, 20)
+    assert padded.config.kv_lora_rank == 20
+    save_hf(padded, str(tmp_path))
+    back, _ = load_hf(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(padded(X), model(X), rtol=0, atol=1e-6)
+        torch.testing.assert_close(back(X), model(X), rtol=0, atol=1e-5)

@@ -235,3 +235,27 @@ def fit_layer(attention, sigma: torch.Tensor, config: ModelConfig, rank: int, ro
 def _interleaved(rows: torch.Tensor) -> torch.Tensor:
     """Complex rows [..., n, in] -> real rows [..., 2n, in], pair i on channels 2i and 2i + 1 (DeepSeek's RoPE)."""
     return torch.stack((rows.real, rows.imag), dim=-2).flatten(-3, -2)
+
+
+def pad_latent(model: Decoder, rank: int) -> Decoder:
+    """The same function with the latent widened to `rank` by zero channels (zero rows in the down-projection,
+    zero columns in the up-projection). vLLM's CPU MLA kernel only runs kv_lora_rank 512 with a 64-channel
+    RoPE key (DeepSeek-V2's sizes), so a smaller conversion is served padded: it computes the same, but its
+    cache row is rank + RoPE wide."""
+    config = model.config
+    if config.attention != "mla" or config.rope_key_heads != 1:
+        raise PlanError("--pad-latent widens a DeepSeek-layout MLA latent (--to mla --layout deepseek)")
+    if rank < config.kv_lora_rank:
+        raise PlanError(f"--pad-latent {rank} is below the latent's {config.kv_lora_rank} channels")
+    extra = rank - config.kv_lora_rank
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    for i in range(config.n_layers):
+        p = f"blocks.{i}.attn."
+        down, up = state[p + "wkv_a.weight"], state[p + "wkv_b.weight"]
+        latent, rope = down.split((config.kv_lora_rank, down.shape[0] - config.kv_lora_rank))
+        state[p + "wkv_a.weight"] = torch.cat((latent, down.new_zeros(extra, down.shape[1]), rope))
+        state[p + "wkv_b.weight"] = torch.cat((up, up.new_zeros(up.shape[0], extra)), dim=1)
+        if p + "kv_norm.weight" in state:
+            state[p + "kv_norm.weight"] = torch.cat((state[p + "kv_norm.weight"], down.new_ones(extra)))
+    padded = replace(config, kv_lora_rank=rank, name=f"{config.name} [padded to {rank}]")
+    return Decoder.from_state_dict(padded, state).to(model.dtype).train(model.training)

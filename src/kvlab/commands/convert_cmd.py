@@ -93,6 +93,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--rope-dim", type=int, metavar="D",
                         help="--to mla: RoPE channels (deepseek: of the one shared key, default the head dim, or "
                              "half when the latent would be narrower; kvlab: of each KV head, default the head dim)")
+    parser.add_argument("--pad-latent", type=positive_int, metavar="R",
+                        help="--to mla --layout deepseek: widen the latent to R channels with zeros (the same "
+                             "function; vLLM's CPU MLA kernel runs only R = 512 with --rope-dim 64)")
     parser.add_argument("--calibration", metavar="FILE", help="UTF-8 text the fits run on (see below)")
     parser.add_argument("--calibration-tokens", type=positive_int, default=16384, metavar="N",
                         help="calibration tokens (16384)")
@@ -147,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         if mla:
             conversion, model = _to_mla(source.model, args.layout, plan, calibration,
                                         lambda i: step(f"layer {i + 1}/{layers}"))
+            if args.pad_latent is not None:
+                from kvlab.checkpoints.mla_aware import pad_latent
+                model = pad_latent(model, args.pad_latent)
         else:
             model, facts = _heads(source.model, args, calibration, lambda i: step(f"layer {i + 1}/{layers}"))
             if not calibrated:
@@ -210,10 +216,10 @@ def _check_flags(args: argparse.Namespace) -> bool:
     """Whether --to mla was asked, refusing flag mixes before any work."""
     from kvlab.plan.errors import PlanError
 
-    mla_only = (args.kv_lora_rank, args.rope_dim, args.kv_cache_fraction)
+    mla_only = (args.kv_lora_rank, args.rope_dim, args.kv_cache_fraction, args.pad_latent)
     if args.to != "mla":
         if any(v is not None for v in mla_only):
-            raise PlanError("--kv-lora-rank, --kv-cache-fraction and --rope-dim need --to mla")
+            raise PlanError("--kv-lora-rank, --kv-cache-fraction, --rope-dim and --pad-latent need --to mla")
         if args.layout != "deepseek":
             raise PlanError("--layout needs --to mla")
         return False
@@ -223,12 +229,15 @@ def _check_flags(args: argparse.Namespace) -> bool:
         raise PlanError("--to mla needs one of --kv-lora-rank R (or 'full') and --kv-cache-fraction F")
     if args.gguf:
         raise PlanError("--gguf writes Llama-family and Gemma 3 GGUF files; llama.cpp has no MLA for these")
+    if args.pad_latent is not None and args.layout != "deepseek":
+        raise PlanError("--pad-latent widens a DeepSeek-layout latent; --layout kvlab has none to pad")
     return True
 
 
 def _plan(args: argparse.Namespace, config) -> tuple[int, int]:
     """(rank, rope_dim) of an MLA request, checked against the source before any work."""
     from kvlab.checkpoints import mla, mla_aware
+    from kvlab.plan.errors import PlanError
 
     if args.layout == "kvlab":
         rope_dim = config.head_size if args.rope_dim is None else args.rope_dim
@@ -248,6 +257,8 @@ def _plan(args: argparse.Namespace, config) -> tuple[int, int]:
         if rank == "full":
             rank = min(2 * config.kv_heads * config.head_size, config.dim)
     mla_aware.check_request(config, rank, rope_dim)
+    if args.pad_latent is not None and args.pad_latent < rank:
+        raise PlanError(f"--pad-latent {args.pad_latent} is below the latent's {rank} channels")
     return rank, rope_dim
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvlab.commands.args import WEIGHTS_CHOICES, positive_int
 from kvlab.plan.errors import PlanError
@@ -16,7 +17,8 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV cache storage (auto = the activations' dtype)")
     parser.add_argument("--kv-heads", type=positive_int,
-                        help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
+                        help="convert to this many KV heads first (mean-pooled groups, or repeated heads); fewer "
+                             "heads without uptraining is not a usable model: see kvlab convert and kvlab uptrain")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="activation dtype (default fp32)")
     parser.add_argument("--weights", default="auto", choices=WEIGHTS_CHOICES,
                         help="gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 "
@@ -47,5 +49,20 @@ def load_from_args(args: argparse.Namespace):
     loaded = load_checkpoint(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
+        if args.kv_heads < loaded.model.config.kv_heads:
+            print(pooled_warning(args.model, loaded.model.config.kv_heads, args.kv_heads), file=sys.stderr)
         loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")
     return loaded
+
+
+# What mean-pooling costs, where it was measured (reports/real-models, perplexity on Frankenstein)
+MEASURED_POOLING = {("smollm2-135m", 3, 1): "perplexity 28.1 -> 15,477 on Frankenstein (reports/real-models)"}
+
+
+def pooled_warning(model: str, before: int, after: int) -> str:
+    """One line: a mean-pooled conversion without uptraining is a starting point, not a model."""
+    name = "smollm2-135m" if model.strip().lower() in ("smollm2", "smollm2-135m") else model
+    cost = MEASURED_POOLING.get((name, before, after))
+    return (f"kvlab: warning: --kv-heads {after} mean-pools {before} KV heads in memory with no uptraining, which "
+            f"loses most of the model{f' ({cost})' if cost else ''}; for a usable one: kvlab convert {model} "
+            f"--kv-heads {after} -o DIR (aligned on calibration text), then kvlab uptrain DIR --teacher {model}")

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     before = mean_loss(student.model, val)
     trainer = DistillTrainer(student.model, teacher.model, corpus, config, checkpoint, alpha=args.alpha,
                              temperature=args.temperature, hidden_weight=args.hidden_weight, train=args.train,
-                             progress=not args.json, label="uptrain")
+                             record=lambda progress: _write_json(record, progress), progress=not args.json,
+                             label="uptrain")
     end = None if args.stop_after is None else trainer.state.step + args.stop_after
     state = trainer.fit(stop_after=end, max_seconds=None if args.slice_minutes is None else 60 * args.slice_minutes)
     finished = state.step >= steps

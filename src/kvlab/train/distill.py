@@ -118,12 +118,14 @@ class DistillTrainer(Trainer):
     """The Trainer with the distillation loss; validation is the LM loss and the KL on held-out text."""
 
     def __init__(self, student, teacher, corpus: TokenCorpus, config, checkpoint=None, alpha: float = 1.0,
-                 temperature: float = 1.0, hidden_weight: float = 0.0, train: str = "attention", **options) -> None:
+                 temperature: float = 1.0, hidden_weight: float = 0.0, train: str = "attention",
+                 record: Optional[Callable[[dict], None]] = None, **options) -> None:
+        """`record(progress)` is called at every checkpoint with the loss-against-tokens record so far."""
         if not 0 <= alpha <= 1 or temperature <= 0 or hidden_weight < 0:
             raise PlanError(f"--alpha must be in [0, 1], --temperature positive and --hidden-weight non-negative, "
                             f"got {alpha}, {temperature}, {hidden_weight}")
         self.teacher, self.alpha, self.temperature = teacher.eval(), alpha, temperature
-        self.hidden_weight = hidden_weight
+        self.hidden_weight, self.record = hidden_weight, record
         for parameter in teacher.parameters():
             parameter.requires_grad_(False)
         self.trainable = select_trainable(student, train)
@@ -203,6 +205,10 @@ class DistillTrainer(Trainer):
         save_atomic({"format": CHECKPOINT_FORMAT, "model_config": self._model_config(),
                      "train_config": asdict(self.config), "state": asdict(self.state), "trained": trained,
                      "optimizer": self.optimizer.state_dict(), "timing": dict(self.timing)}, self.checkpoint)
+        if self.record is not None:
+            self.record({"steps": self.state.step, "of_steps": self.config.steps, "tokens": self.state.tokens,
+                         "train_seconds": round(self.state.train_seconds, 1), "timing": dict(self.timing),
+                         "record": self.state.history})
 
     def _resume(self) -> None:
         from dataclasses import asdict
