@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pad_only(args: argparse.Namespace, source) -> int:
-    """`kvlab convert MLA_DIR --pad-latent R -o OUT`: an MLA directory (uptrained or not) widened for vLLM's CPU kernel."""
+    """`kvlab convert MLA_DIR --pad-latent R -o OUT`: an MLA directory (uptrained or not) widened for vLLM's
+    CPU kernel."""
     from kvlab.checkpoints.export import output_dtype, write_outputs
     from kvlab.checkpoints.mla_aware import pad_latent
     from kvlab.plan.errors import PlanError

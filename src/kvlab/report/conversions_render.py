@@ -24,7 +24,9 @@ def _speed(cell: Optional[dict], grid: Optional[dict]) -> str:
         return "–"
     if not grid.get("served"):
         return "not served"
-    if not cell or not cell.get("completed"):
+    if cell is None:
+        return "–"
+    if not cell.get("completed"):
         return "failed"
     return f"{cell['median_ttft_ms']:,.0f} / {cell['median_itl_ms']:,.0f} / {cell['output_throughput']:,.1f}"
 
@@ -54,7 +56,9 @@ def render(data: dict, variants, keys: list[str]) -> str:
         ratio = f"{bytes_ / original_bytes:.0%}" if bytes_ and original_bytes else "–"
         before, after = steps.get(f"quality:{v.name}:converted"), steps.get(f"quality:{v.name}:uptrained")
         up = (steps.get(f"uptrain:{v.name}") or {}).get("report")
-        training = (f"{up['tokens']:,} tokens, {up['train_seconds'] / 60:.0f} min" if up else "–") if v.convert else ""
+        training = ""
+        if v.convert:
+            training = f"{up['tokens']:,} tokens, {up['train_seconds'] / 60:.0f} min" if up else "–"
         lines.append(f"| {v.label} | `{conv.get('command', 'kvlab convert ' + v.name) if v.convert else '–'}` | "
                      f"{bytes_ if bytes_ else '–'} | {ratio} | {_ppl(before, base)} | {_keys(before)} | "
                      f"{_ppl(after, base) if v.convert else ''} | {_keys(after) if v.convert else ''} | {training} |")
@@ -71,7 +75,8 @@ def render(data: dict, variants, keys: list[str]) -> str:
                 lines.append(f"| {v.label} | {stage} | – | – | – | – | – |")
                 continue
             vllm = row.get("vllm", {})
-            logged = f"`{vllm['capacity_line']}`" if vllm.get("started") else f"did not start: {vllm.get('error', '')[:80]}"
+            logged = (f"`{vllm['capacity_line']}`" if vllm.get("started")
+                      else f"did not start: {vllm.get('error', '')[:80]}")
             engine = row.get("kvlab_engine", {})
             engine_cell = f"`{engine['lines'][-1]}`" if engine.get("served") else f"not served: {engine.get('why', '')}"
             text = row.get("text_matches")

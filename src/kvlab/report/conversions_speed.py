@@ -44,7 +44,8 @@ def peer(server: str, path: str, kv_dtype: str, port: int):
                          "--served-model-name", "m", *host, "--max-model-len", "4096", "--kv-cache-dtype", kv_dtype,
                          "--uvicorn-log-level", "warning"], startup_timeout_s=600.0,
                 env={"VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                     "DO_NOT_TRACK": "1", "PYTHONPATH": "", "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: /reset_prefix_cache
+                     "DO_NOT_TRACK": "1", "PYTHONPATH": "",
+                     "VLLM_SERVER_DEV_MODE": "1"})  # dev mode: vLLM's /reset_prefix_cache
 
 
 def run_grid(server: str, path: str, kv_dtype: str, concurrency: Sequence[int], prompt_lens: Sequence[int],
