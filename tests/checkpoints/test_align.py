@@ -70,8 +70,8 @@ def test_heads_that_are_rotations_of_one_another_merge_exactly(style):
     freqs = 10000.0 ** (-torch.arange(HEAD // 2, dtype=torch.float64) * 2 / HEAD)
 
     def rotated(rows, head_x):  # [n, d/2] complex, RoPE at each token's position
-        return (head_x.to(torch.complex128) @ to_complex(rows, style).T) * torch.polar(torch.ones(1, dtype=torch.float64),
-                                                                  positions[:, None] * freqs)
+        turn = torch.polar(torch.ones(1, dtype=torch.float64), positions[:, None] * freqs)
+        return (head_x.to(torch.complex128) @ to_complex(rows, style).T) * turn
 
     for h in range(4):  # query head h reads source KV head h // 2
         before = (rotated(wq[h], x).conj() @ rotated(wk[h // 2], x).T).real

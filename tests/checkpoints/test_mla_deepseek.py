@@ -164,4 +164,5 @@ def test_vllm_export_names_what_its_cpu_mla_kernel_runs(stories_path, tmp_path, 
     assert "--pad-latent 512" in capsys.readouterr().err
     from kvlab.plan.loaders import load_model
     from kvlab.plan.vllm_blocks import default_block_size
-    assert default_block_size(load_model(str(out)), "cpu") == 16 and default_block_size(load_model(str(out)), "cuda") == 16
+    spec = load_model(str(out))
+    assert default_block_size(spec, "cpu") == 16 and default_block_size(spec, "cuda") == 16
