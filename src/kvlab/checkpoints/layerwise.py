@@ -55,12 +55,14 @@ def convert_layerwise(model: Decoder, new_config: ModelConfig, windows: torch.Te
     was_training = model.training
     model.eval()
     state = {name: t.detach().clone() for name, t in model.state_dict().items() if ".attn." not in name}
+    with torch.device("meta"):  # only the new model's RoPE tables are needed (an MLA key rotates its own way)
+        shell = Decoder(new_config, init_weights=False)
     hidden = model.embed(windows)
     if model.config.embed_scale != 1.0:
         hidden = hidden * torch.tensor(model.config.embed_scale, dtype=hidden.dtype)
     layers = []
     for index, block in enumerate(model.blocks):
-        rope = model.rope_for(index)
+        rope, new_rope = model.rope_for(index), shell.rope_for(index)
         x = block.attn_norm(hidden)
         rows = x.reshape(-1, x.shape[-1]).double()
         sigma = rows.T @ rows / rows.shape[0]
@@ -68,14 +70,14 @@ def convert_layerwise(model: Decoder, new_config: ModelConfig, windows: torch.Te
         attention = new_attention(new_config, index).to(x.dtype)
         attention.load_state_dict({k: v.to(x.dtype) for k, v in attention_state.items()})
         if refit_output:
-            facts["output_refit_error"] = _refit_output(attention, block.attn(x, rope, 0, None, index), x, rope,
+            facts["output_refit_error"] = _refit_output(attention, block.attn(x, rope, 0, None, index), x, new_rope,
                                                         index)
         for name, tensor in attention.state_dict().items():
             state[f"blocks.{index}.attn.{name}"] = tensor.detach().clone()
         original = block.attn
         block.attn = attention
         try:
-            hidden = block(hidden, rope, 0, None, index)
+            hidden = block(hidden, new_rope, 0, None, index)
         finally:
             block.attn = original
         layers.append(facts)
