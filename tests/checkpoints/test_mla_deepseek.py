@@ -174,3 +174,17 @@ def test_vllm_export_names_what_its_cpu_mla_kernel_runs(stories_path, tmp_path, 
     from kvlab.plan.vllm_blocks import default_block_size
     spec = load_model(str(out))
     assert default_block_size(spec, "cpu") == 16 and default_block_size(spec, "cuda") == 16
+
+
+def test_residual_keys_keep_what_their_lost_rotation_averages_to():
+    """A residual key without RoPE is scaled per frequency by the mean of the rotation it lost over the span:
+    a slow pair keeps nearly all of it, a fast one nearly none; no span keeps everything."""
+    from kvlab.checkpoints.mla_aware import residual_weights
+    smollm2 = ModelConfig(vocab_size=10, dim=576, n_layers=1, n_heads=9, n_kv_heads=3, rope_base=100000.0)
+    assert torch.equal(residual_weights(smollm2, None), torch.ones(32, dtype=torch.complex128))
+    weights = residual_weights(smollm2, 512)
+    assert weights[0].abs() < 0.01 and weights[-1].abs() > 0.999  # pair 0 turns 1 rad a token, pair 31 ~1e-5
+    delta = torch.linspace(0, 512, 200001, dtype=torch.float64)
+    omega = 100000.0 ** (-2 * 20 / 64)
+    exact = torch.trapezoid(torch.exp(-1j * omega * delta), delta) / 512
+    assert abs(complex(weights[20]) - complex(exact)) < 1e-6

@@ -95,7 +95,8 @@ def strides(head_dim: int, rope_dim: int) -> list[int]:
 
 
 def convert_to_mla_aware(model: Decoder, rank: int, rope_dim: int, calibration: torch.Tensor,
-                         progress: Optional[Callable[[int], None]] = None) -> AwareMLA:
+                         progress: Optional[Callable[[int], None]] = None,
+                         residual_span: Optional[int] = None) -> AwareMLA:
     """A new DeepSeek-layout MLA model; the input model is left untouched. Fitted in float64."""
     from kvlab.checkpoints.layerwise import convert_layerwise
 
@@ -113,7 +114,7 @@ def convert_to_mla_aware(model: Decoder, rank: int, rope_dim: int, calibration: 
     kept, rope_kept = [], []
 
     def fit(layer: int, attention, sigma: torch.Tensor):
-        state, facts = fit_layer(attention, sigma, config, rank, rope_dim, stride)
+        state, facts = fit_layer(attention, sigma, config, rank, rope_dim, stride, residual_span)
         kept.append(facts["latent_energy_kept"])
         rope_kept.append(facts["rope_energy"])
         return state, facts
@@ -177,8 +178,21 @@ def _second_moment(x: torch.Tensor) -> torch.Tensor:
     return rows.T @ rows / rows.shape[0]
 
 
+def residual_weights(config: ModelConfig, span: Optional[int]) -> torch.Tensor:
+    """Per source frequency, what a residual key without RoPE is multiplied by: the mean of the rotation
+    exp(i w_f delta) it lost over key distances delta in [0, span] (1 for a slow pair, ~0 for a fast one),
+    the least-squares constant for a key equally likely anywhere in the span; all ones without a span."""
+    pairs = config.head_size // 2
+    if span is None:
+        return torch.ones(pairs, dtype=torch.complex128)
+    omega = config.rope_base ** (-torch.arange(pairs, dtype=torch.float64) * 2 / config.head_size) * span
+    mean = torch.where(omega > 1e-9, (1 - torch.exp(-1j * omega)) / (1j * omega.clamp_min(1e-9)),
+                       torch.ones_like(omega, dtype=torch.complex128))
+    return mean  # the key sits delta before the query: the score turned by exp(-i w_f delta)
+
+
 def fit_layer(attention, sigma: torch.Tensor, config: ModelConfig, rank: int, rope_dim: int,
-              stride: int) -> tuple[dict[str, torch.Tensor], dict]:
+              stride: int, residual_span: Optional[int] = None) -> tuple[dict[str, torch.Tensor], dict]:
     """One layer's MLA weights (wq, wkv_a, wkv_b, o) from a GQA attention module and its inputs' sigma."""
     wq, wk, wv, wo = _split(attention, config)
     heads, groups, d, dim = config.n_heads, config.kv_heads, config.head_size, config.dim
@@ -193,6 +207,7 @@ def fit_layer(attention, sigma: torch.Tensor, config: ModelConfig, rank: int, ro
     # each head's residual key: its key minus what the RoPE key explains (all of it at dropped frequencies)
     residual = kc.clone()
     residual[:, kept_freqs] -= coeff[..., None] * rope_key[None]
+    residual *= residual_weights(config, residual_span)[None, :, None]
     residual_rows = to_real(residual, style)  # [G, d, in], the source's channel layout
     # queries: RoPE part reads the shared key through conj(coeff); nope part is the source query
     qc = to_complex(wq, style)
