@@ -15,13 +15,17 @@
 #   interop             vLLM's own `vllm bench serve` against kvlab serve, beside kvlab bench serve
 #   decode              offline decode/prefill vs batch and context (kvlab bench decode)
 #   bound               kvlab's C step costs for the target's workload, and the best any schedule of them allows
+#   lmeval              lm-evaluation-harness against kvlab serve (GGUF and dense weights) and vLLM's server
+#   structured          structured outputs: llguidance vs xgrammar, 100 answers validated, constrained step cost
+#   plain               plain requests against the server before vLLM's request fields (BASE, a commit)
 # vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 a8 seats bound kv prefix spec ttft reliability interop decode"}
+PIECES=${PIECES:-"peers128 peers1024 a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
+BASE=${BASE:-ef3f4bc}  # the last commit before vLLM's request fields (issue 39): the `plain` piece's baseline
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
 SERVE='{python} -m kvlab.cli serve {gguf} --host 127.0.0.1 --port {port} --served-model-name kvlab-bench --threads {threads} --kv-cache-memory 1GiB --log-level warning'
@@ -70,6 +74,18 @@ for piece in $PIECES; do
     bound)
         "${LOCK[@]}" python3 -m kvlab.bench.serving_bound --model "$MODEL" --weights gguf-a8 --kv-cache-dtype fp16 \
             --json "$OUT/serving_bound.json" ;;
+    lmeval)
+        "${LOCK[@]}" python3 -m kvlab.bench.lm_eval_compare --model "$MODEL" --json "$OUT/lm_eval.json" ;;
+    structured)
+        "${LOCK[@]}" python3 -m kvlab.bench.structured --model "$MODEL" --json "$OUT/structured.json" ;;
+    plain)
+        before=$(mktemp -d)
+        git archive "$BASE" src | tar -x -C "$before"
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab --kvlab-args "--kv-cache-dtype fp16" \
+            --peer "kvlab-before=env PYTHONPATH=$before/src $SERVE --kv-cache-dtype fp16" \
+            --input-len 128 --max-concurrency 1,16 --num-prompts 2x --output-len 64 --disable-tqdm \
+            --json "$OUT/compare_plain.json"
+        rm -rf "$before" ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

@@ -54,3 +54,35 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     n, total = q.shape[2], k.shape[2]
     mask = torch.arange(total)[None, :] <= (start + torch.arange(n))[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class PoolRows:
+    """The engine's pool (kvlab.cache.KVPool) behind the lab caches' `update`, so the recompute
+    harnesses hold it to the same standard: row r of the batch owns shuffled blocks of its own."""
+
+    def __init__(self, kv_cache_dtype: str, layers: int, batch: int, kv_heads: int, dim: int, max_tokens: int,
+                 block_size: int, group_size=None, residual=None, compute_dtype=torch.float32, seed: int = 0):
+        from kvlab.cache.pool import KVPool
+        from kvlab.plan.kv_formats import resolve_kv_format
+
+        per_row = -(-max_tokens // block_size)
+        fmt = resolve_kv_format(kv_cache_dtype, {torch.float32: "fp32", torch.bfloat16: "bf16",
+                                                 torch.float16: "fp16"}[compute_dtype], group_size, residual)
+        self.pool = KVPool(layers, kv_heads, dim, dim, batch * per_row + 3, block_size, fmt, compute_dtype,
+                           seats=batch)
+        order = torch.randperm(self.pool.num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.tables = [order[r * per_row:(r + 1) * per_row] for r in range(batch)]
+        self.lengths = [0] * layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        from kvlab.cache.step import StepBatch
+
+        batch, _, new, _ = k.shape
+        start = self.lengths[layer]
+        step = StepBatch.build([start] * batch, [new] * batch, self.tables, self.pool.block_size,
+                               seats=list(range(batch)))
+        rows = lambda x: x.transpose(1, 2).reshape(batch * new, x.shape[1], x.shape[3])  # noqa: E731
+        self.pool.store(layer, rows(k), rows(v), step)
+        self.lengths[layer] = start + new
+        read = [self.pool.attention_inputs(layer, step, s)[:2] for s in range(batch)]
+        return torch.stack([keys for keys, _ in read]), torch.stack([values for _, values in read])

@@ -30,9 +30,6 @@ KINDS = {
     "kivi2": ("kivi2", {"group_size": G, "residual": R}, lambda t: t),
     "kivi4": ("kivi4", {"group_size": G, "residual": R}, lambda t: t),
     "kivi2-no-residual": ("kivi2", {"group_size": G, "residual": 0}, lambda t: t),
-    "paged-auto": ("auto", {"paged": True, "block_size": BLOCK}, lambda t: -(-t // BLOCK) * BLOCK),
-    "paged-fp8": ("fp8", {"paged": True, "block_size": BLOCK}, lambda t: -(-t // BLOCK) * BLOCK),
-    "paged-int4": ("int4", {"paged": True, "block_size": BLOCK, "group_size": G}, lambda t: -(-t // BLOCK) * BLOCK),
 }
 
 
@@ -84,7 +81,7 @@ def test_nbytes_depends_only_on_tokens_held(kind: str, chunks: list[int]) -> Non
     assert cache.nbytes() == expected(kind, sum(chunks))
 
 
-@pytest.mark.parametrize("kind", ["contiguous-auto", "kivi4", "int4", "paged-auto"])
+@pytest.mark.parametrize("kind", ["contiguous-auto", "kivi4", "int4"])
 @pytest.mark.parametrize("compute", [torch.float16, torch.bfloat16])
 def test_half_precision_compute(kind: str, compute: torch.dtype) -> None:
     """"auto" and the KIVI residual take the compute dtype's bytes (the plan's model dtype)."""
@@ -129,7 +126,7 @@ def test_codes_are_packed_several_per_byte(kind: str, per_byte: int) -> None:
 #     kivi2: K codes 8x3x5=120, K scales (8/8)x3x20x4=240, V codes 8x3x3=72, V scales 8x3x2x4=192,
 #            residual 16x3x32x4=6,144: 6,768, x4 = 27,072;  kivi4: codes 240 and 144: 6,960, x4 = 27,840
 #     kivi2 without residual at 10 tokens: 8 quantised (1,392 per layer and sequence with 2 fp32 tokens), x4
-#   paged at 7 tokens (blocks of 5): 2 blocks = 10 slots per sequence
+#   the pool (kvlab.cache.KVPool), 4 blocks of 5 tokens (7 tokens of 2 sequences): 2 x 2 x 5 = 20 slots a layer
 WORKED = {
     ("contiguous-auto", 10): 12 * 64 * 32 * 4,  # 98,304 whatever is held
     ("contiguous-fp16", 1): 12 * 64 * 32 * 2,
@@ -144,10 +141,8 @@ WORKED = {
     ("kivi2", 24): 27_072,
     ("kivi4", 24): 27_840,
     ("kivi2-no-residual", 10): 5_568,
-    ("paged-auto", 7): 2 * 2 * 10 * 3 * 32 * 4,  # 15,360
-    ("paged-fp8", 7): 2 * 2 * 10 * 3 * 32,  # 3,840
-    ("paged-int4", 7): 2 * 2 * 10 * 3 * (22 + 14),  # 4,320
 }
+POOL_WORKED = {"auto": 2 * 2 * 10 * 3 * 32 * 4, "fp8": 2 * 2 * 10 * 3 * 32, "int4": 2 * 2 * 10 * 3 * (22 + 14)}
 
 
 @pytest.mark.parametrize("kind,tokens", WORKED)
@@ -156,3 +151,13 @@ def test_nbytes_equals_hand_worked_figures(kind: str, tokens: int) -> None:
     feed(cache, [tokens])
     assert cache.nbytes() == WORKED[kind, tokens]
     assert expected(kind, tokens) == WORKED[kind, tokens]
+
+
+@pytest.mark.parametrize("dtype", POOL_WORKED)
+def test_pool_nbytes_equal_hand_worked_figures(dtype: str) -> None:
+    from kvlab.cache.pool import KVPool
+    from kvlab.plan.kv_formats import resolve_kv_format
+
+    pool = KVPool(LAYERS, HEADS, DK, DV, 2 * 2, BLOCK, resolve_kv_format(dtype, "fp32", G))
+    assert pool.nbytes() == POOL_WORKED[dtype] == plan_nbytes(dtype, 2 * BLOCK, BATCH, LAYERS, HEADS, DK, DV,
+                                                                "fp32", G)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_helpers import plan_nbytes, rope
-from kvlab.cache import CacheError, ContiguousCache, KiviCache, PagedCache, QuantizedCache, make_cache
+from kvlab.cache import CacheError, ContiguousCache, KiviCache, QuantizedCache, make_cache
 from kvlab.cache.quantize import fp8_scale
 from kvlab.plan.errors import PlanError
 
@@ -18,7 +18,6 @@ B, H, D = 1, 2, 16
 def test_factory_picks_the_cache_for_the_format(dtype: str, kind: type) -> None:
     cache = make_cache(dtype, 1, B, H, D, D, 8)
     assert isinstance(cache, kind) and cache.kv_format is not None and cache.num_layers == 1
-    assert isinstance(make_cache("int4", 1, B, H, D, D, 8, paged=True), PagedCache)
 
 
 def test_per_head_fp8_scale_rescues_a_quiet_head() -> None:
@@ -47,10 +46,6 @@ def test_misuse_gets_a_clear_error(call, message: str) -> None:
 def test_bad_options_are_refused() -> None:
     with pytest.raises(CacheError, match="rope"):
         make_cache("auto", 1, B, H, D, D, 8, pre_rope=True)
-    with pytest.raises(CacheError, match="paged"):
-        make_cache("kivi4", 1, B, H, D, D, 8, paged=True)
-    with pytest.raises(CacheError, match="block_size"):
-        make_cache("auto", 1, B, H, D, D, 8, paged=True, block_size=0)
     with pytest.raises(CacheError, match="compute dtype"):
         make_cache("auto", 1, B, H, D, D, 8, compute_dtype=torch.int8)
     with pytest.raises(PlanError, match="multiple of the group size"):

@@ -64,7 +64,7 @@ def test_packed_blocks_compute_the_dense_model(path, dense):
 def test_a_long_prompt_through_the_window_cache(dense):
     model = dense.model
     tokens = torch.randint(3, 1000, (1, 560), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, 560, "fp16")
+    cache = model.reference_cache(1, 560, "fp16")
     assert isinstance(cache, SinkWindowCache)
     with torch.no_grad():
         whole = model(tokens, last_only=True)[0, -1]

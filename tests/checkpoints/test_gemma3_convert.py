@@ -129,7 +129,7 @@ def test_window_cache_bytes_equal_the_plan_of_the_written_config(mha, capsys):
     model, held = load(mha).model, 520
     planned = load_model(str(mha))
     assert planned.layers == model.config.to_plan_spec().layers  # the planner reads the windows kvlab runs
-    cache = model.new_cache(1, held, "fp16")
+    cache = model.reference_cache(1, held, "fp16")
     tokens = torch.randint(3, 1000, (1, held), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model(tokens, cache, last_only=True)

@@ -28,7 +28,7 @@ def test_capacity_lines_equal_plan_engine_vllm(stories_model, stories_tokenizer,
     per_block = kv_bytes_per_sequence(spec, block_size, cache_formats(plan_dtype, model_dtype="fp32"))
     assert engine.pool.nbytes() == planned["num_gpu_blocks"] * per_block == \
         planned["num_gpu_blocks"] * planned["block_bytes_all_layers"]
-    assert f"CPU KV cache size: {engine.pool.num_tokens:,} tokens" in engine.capacity_lines
+    assert any(line.startswith(f"CPU KV cache size: {engine.pool.num_tokens:,} tokens") for line in engine.capacity_lines)
 
 
 def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
@@ -36,7 +36,7 @@ def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
     engine = make_engine(stories_model, stories_tokenizer, kv_cache_memory=1_000_000)
     assert engine.blocks.num_blocks == 1_000_000 // 20_480 == 48
     assert engine.pool.nbytes() == 48 * 20_480
-    assert engine.capacity_lines[1] == "CPU KV cache size: 768 tokens"
+    assert engine.capacity_lines[1].startswith("CPU KV cache size: 768 tokens")
 
 
 def test_kv_cache_memory_reads_sizes_as_the_flag_does(stories_model, stories_tokenizer):

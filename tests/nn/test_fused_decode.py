@@ -1,18 +1,16 @@
-"""The fused decode step (one C call per token) against the module-by-module path it replaces."""
+"""The C step on the lab's rows (kvlab.cache.PooledRows: the contiguous cache as a pool with one
+block per row) against the module-by-module path on the lab's reference caches."""
 
 import pytest
 import torch
 
-from kvlab.cache import make_cache
-from kvlab.cache.base import KVShape
-from kvlab.cache.codecs import FloatCodec
-from kvlab.cache.contiguous import ContiguousCache
+from kvlab.cache.pooled_rows import PooledRows
 from kvlab.nn.config import ModelConfig
-from kvlab.nn.fused_decode import FusedDecodeStep, fused_step_for, why_not_fused
 from kvlab.nn.generate import generate
 from kvlab.nn.ggml import GROUP, GGMLLinear, Planes
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
+from kvlab.nn.paged_decode import PagedDecodeStep
 
 from needs import require_kernels
 
@@ -77,7 +75,7 @@ def ggml_model(config: ModelConfig, seed: int = 0, activations: str = "int16") -
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
 @pytest.mark.parametrize("batch", [1, 2, 5])  # 5: a 4-row tile and one row
 @pytest.mark.parametrize("activations", ["int16", "int8"])
-def test_fused_steps_equal_module_steps(config, batch, activations):
+def test_c_steps_on_the_lab_rows_equal_module_steps(config, batch, activations):
     check_against_module_steps(config, batch, "auto", activations=activations)
 
 
@@ -92,24 +90,33 @@ def test_long_contexts_split_attention_into_chunks():
     check_against_module_steps(config, 1, "auto", prompt_len=301, steps=6)  # 3 chunks, partly filled
 
 
+def c_step(model: Decoder, rows: PooledRows, ids: torch.Tensor) -> torch.Tensor:
+    """One decode step of every row in C."""
+    logits = PagedDecodeStep(model, rows.pool, rows.batch)(ids, rows.step(1))
+    rows.advance(1)
+    return logits
+
+
 def check_against_module_steps(config: ModelConfig, batch: int, kv_cache_dtype: str, prompt_len: int = 5,
                                steps: int = 20, activations: str = "int16") -> None:
     model = ggml_model(config, activations=activations)
     prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     total = prompt_len + steps + 5
-    reference, cache = model.new_cache(batch, total, kv_cache_dtype), model.new_cache(batch, total, kv_cache_dtype)
+    reference, rows = model.reference_cache(batch, total, kv_cache_dtype), model.new_cache(batch, total, kv_cache_dtype)
+    assert isinstance(rows, PooledRows) and rows.pool.num_blocks == batch  # one block of `total` tokens per row
     with torch.inference_mode():
         ids = model(prompt, reference, last_only=True)[:, -1].argmax(-1)
-        model(prompt, cache, last_only=True)
-        step = FusedDecodeStep(model, cache)
+        model(prompt, rows, last_only=True)
         for _ in range(steps):
             expected = model(ids[:, None], reference, last_only=True)[:, -1]
-            got = step(ids)
+            got = c_step(model, rows, ids)
             assert_close_to_scale(got, expected, activations)
             ids = expected.argmax(-1)
-    assert cache.seq_len(0) == reference.seq_len(config.n_layers - 1) == prompt_len + steps
+    assert rows.seq_len() == reference.seq_len(config.n_layers - 1) == prompt_len + steps
     for layer in range(config.n_layers):
-        for ours, theirs in zip(cache.float_buffers(layer), reference.float_buffers(layer)):
+        for ours, theirs in zip(rows.pool.float_planes(layer), reference.float_buffers(layer)):
+            ours = ours[:, :, :rows.seq_len()].transpose(0, 1).transpose(1, 0)  # [rows, heads, tokens, dim]
+            theirs = theirs[:, :, :rows.seq_len()]
             assert ours.dtype == theirs.dtype == {"auto": torch.float32, "fp16": torch.float16,
                                                   "bf16": torch.bfloat16}[kv_cache_dtype]
             # the keys and values written: as close as the logits, or one step of the cache's dtype
@@ -121,7 +128,7 @@ def check_against_module_steps(config: ModelConfig, batch: int, kv_cache_dtype: 
                 assert abs(shrunk - grown) < 0.1, (shrunk, grown)  # truncating shrinks about half
 
 
-def test_generate_uses_the_fused_step_and_agrees_with_the_module_path():
+def test_generate_uses_the_c_step_and_agrees_with_the_module_path():
     model = ggml_model(GQA)
     prompts = torch.tensor([[1, 2, 3], [9, 8, 7]])
     stats_fused, stats_modules = {}, {}
@@ -131,51 +138,29 @@ def test_generate_uses_the_fused_step_and_agrees_with_the_module_path():
     assert torch.equal(fused, modules)
 
 
-def test_the_module_path_carries_on_from_fused_steps():
+def test_the_module_path_carries_on_from_c_steps():
     model = ggml_model(GQA)
     prompt = torch.tensor([[4, 5, 6]])
-    mixed, reference = model.new_cache(1, 12), model.new_cache(1, 12)
+    mixed, reference = model.new_cache(1, 12), model.reference_cache(1, 12)
     with torch.inference_mode():
         ids = model(prompt, mixed, last_only=True)[:, -1].argmax(-1)
         model(prompt, reference, last_only=True)
-        step = FusedDecodeStep(model, mixed)
         for index in range(8):
             expected = model(ids[:, None], reference, last_only=True)[:, -1]
-            got = step(ids) if index % 2 else model(ids[:, None], mixed, last_only=True)[:, -1]
+            got = c_step(model, mixed, ids) if index % 2 else model(ids[:, None], mixed, last_only=True)[:, -1]
             assert_close_to_scale(got, expected)
             ids = expected.argmax(-1)
 
 
-def test_a_full_cache_is_refused_not_overrun():
+def test_full_rows_are_refused_not_overrun():
     model = ggml_model(GQA)
-    cache = model.new_cache(1, 4)
+    rows = model.new_cache(1, 4)
     with torch.inference_mode():
-        model(torch.tensor([[1, 2, 3]]), cache)
-        step = FusedDecodeStep(model, cache)
-        step(torch.tensor([4]))
-        with pytest.raises(ValueError, match="beyond the cache's 4 tokens"):
-            step(torch.tensor([5]))
-    assert cache.seq_len(0) == 4
-
-
-@pytest.mark.parametrize("change,reason", [
-    (lambda model: (Decoder(GQA), model.new_cache(1, 8)), "held as GGUF blocks"),
-    (lambda model: (model, model.new_cache(1, 8, "fp8")), "fp32/fp16/bf16 CPU cache"),
-    (lambda model: (model, model.new_cache(1, 8, "int8")), "fp32/fp16/bf16 CPU cache"),
-    (lambda model: (model, model.new_cache(1, 8, paged=True)), "fp32/fp16/bf16 CPU cache"),
-    (lambda model: (model, model.new_cache(1, 8, pre_rope=True)), "pre-RoPE"),
-    (lambda model: (model, make_cache("auto", GQA.n_layers, 1, 1, 16, 16, 8)), "KV heads and head dim"),
-    (lambda model: (model, ContiguousCache(KVShape(GQA.n_layers, 1, 2, 16, 16, 8), FloatCodec(16, torch.float16),
-                                           FloatCodec(16, torch.float32))), "fp32/fp16/bf16 CPU cache"),
-    (lambda model: (Decoder(ModelConfig(vocab_size=96, dim=64, n_layers=1, n_heads=4, bias=True)), None),
-     "bias-free Llama-family"),
-])
-def test_what_cannot_be_fused_says_why(change, reason):
-    model, cache = change(ggml_model(GQA))
-    assert reason in why_not_fused(model, cache)
-    assert fused_step_for(model, cache) is None
-    with pytest.raises(ValueError, match="cannot fuse"):
-        FusedDecodeStep(model, cache)
+        model(torch.tensor([[1, 2, 3]]), rows)
+        c_step(model, rows, torch.tensor([4]))
+        with pytest.raises(Exception, match="over their capacity of 4"):
+            c_step(model, rows, torch.tensor([5]))
+    assert rows.seq_len() == 4
 
 
 def test_the_vector_exp_is_as_close_as_expf():

@@ -61,28 +61,28 @@ def test_zero_new_tokens_is_an_empty_answer():
     assert generate(decoder, torch.tensor([[1, 2], [3, 4]]), 0).shape == (2, 0)
 
 
-def test_a_pool_generates_what_a_contiguous_cache_does():
-    """Module by module (this model is not on GGUF blocks), so the pool's bookkeeping alone is tested."""
-    from kvlab.cache.pool import KVPool
+def test_the_lab_rows_generate_what_a_reference_cache_does():
+    """Module by module (this model is not on GGUF blocks): the pool's rows against the lab's own cache."""
+    from kvlab.cache.pooled_rows import PooledRows
 
     decoder = model()
     prompts = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
     stats: dict = {}
-    pooled = generate(decoder, prompts, 12, cache=KVPool.for_model(CONFIG, 8, 4), stats=stats)
-    assert torch.equal(pooled, generate(decoder, prompts, 12))
+    rows = PooledRows.for_model(CONFIG, 2, 16, block_size=4)  # several blocks per row
+    pooled = generate(decoder, prompts, 12, cache=rows, stats=stats)
+    assert torch.equal(pooled, generate(decoder, prompts, 12, cache=decoder.reference_cache(2, 16)))
     assert stats["fused_decode"] is False
 
 
-def test_a_pool_too_small_for_the_batch_is_refused():
-    from kvlab.cache.pool import KVPool
-
-    with pytest.raises(ValueError, match="need 8 blocks of 4; the pool has 7"):
-        generate(model(), torch.tensor([[3, 1, 4, 1, 5]] * 2), 12, cache=KVPool.for_model(CONFIG, 7, 4))
+def test_rows_too_long_for_their_capacity_are_refused():
+    with pytest.raises(ValueError, match="over their capacity of 15"):
+        generate(model(), torch.tensor([[3, 1, 4, 1, 5]] * 2), 12, cache=model().new_cache(2, 15))
 
 
-def test_narrow_formats_generate_on_the_paged_c_step():
-    """int8 and fp8 go to a pool, which the paged C step reads; the contiguous step reads neither."""
-    from kvlab.cache.pool import KVPool
+def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
+    """The lab's cache is the engine's pool in every format; the paged C step reads the per-token
+    ones it has kernels for, and generates what the module path does."""
+    from kvlab.cache.pooled_rows import PooledRows
     from kvlab.nn.generate import cache_for_generation
 
     from needs import require_kernels
@@ -91,14 +91,12 @@ def test_narrow_formats_generate_on_the_paged_c_step():
     require_kernels()
     decoder = ggml_model(GQA)
     prompt = [3, 1, 4, 1, 5]
-    for dtype in ("int8", "fp8"):
+    for dtype, in_c in (("int8", True), ("fp8", True), ("fp16", True), ("int4", False), ("kivi4", False)):
         cache = cache_for_generation(decoder, 1, len(prompt) + 11, dtype)
-        assert isinstance(cache, KVPool)
+        assert isinstance(cache, PooledRows)
         stats: dict = {}
         out = generate(decoder, prompt, 12, cache=cache, stats=stats)
-        assert stats["fused_decode"] is True
+        assert stats["fused_decode"] is in_c, dtype
         unfused = generate(decoder, prompt, 12, cache=cache_for_generation(decoder, 1, len(prompt) + 11, dtype),
                            fused=False)
-        assert torch.equal(out, unfused)
-    assert not isinstance(cache_for_generation(decoder, 1, 16, "fp16"), KVPool)
-    assert not isinstance(cache_for_generation(decoder, 1, 16, "int4"), KVPool)  # the C step does not read int4
+        assert torch.equal(out, unfused), dtype

@@ -72,7 +72,7 @@ def test_sliding_attention_matches_a_written_out_window():
 def test_window_cache_gives_the_whole_sequence_logits(chunk):
     model = tiny_model()
     tokens = torch.randint(0, 97, (1, 4 * WINDOW + 3), generator=torch.Generator().manual_seed(2))
-    cache = model.new_cache(1, tokens.shape[1])
+    cache = model.reference_cache(1, tokens.shape[1])
     assert isinstance(cache, SinkWindowCache)
     with torch.no_grad():
         whole = model(tokens)
@@ -81,14 +81,16 @@ def test_window_cache_gives_the_whole_sequence_logits(chunk):
     assert [cache.held_tokens(layer) for layer in range(3)] == [WINDOW, WINDOW, tokens.shape[1]]
 
 
-def test_a_cache_that_keeps_everything_masks_the_same_window():
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_a_pool_that_keeps_everything_masks_the_same_window(chunk):
+    """The lab's rows on the pool (one block per row: nothing handed back) mask each sliding group's window."""
     model = tiny_model()
     tokens = torch.randint(0, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(3))
-    kept = model.new_cache(1, tokens.shape[1], paged=True)  # the lab's paged cache holds every token
-    assert not isinstance(kept, SinkWindowCache)
+    kept = model.new_cache(1, tokens.shape[1])
+    assert not isinstance(kept, SinkWindowCache) and [g.window for g in kept.pool.groups] == [WINDOW, WINDOW, None]
     with torch.no_grad():
         whole = model(tokens)
-        stepped = torch.cat([model(tokens[:, i:i + 1], kept) for i in range(tokens.shape[1])], dim=1)
+        stepped = torch.cat([model(tokens[:, i:i + chunk], kept) for i in range(0, tokens.shape[1], chunk)], dim=1)
     torch.testing.assert_close(stepped, whole, rtol=1e-4, atol=1e-5)
 
 
@@ -96,7 +98,7 @@ def test_a_cache_that_keeps_everything_masks_the_same_window():
 @pytest.mark.parametrize("tokens", [WINDOW - 2, WINDOW, 3 * WINDOW + 1])
 def test_window_cache_bytes_equal_the_plan(dtype, tokens):
     model = tiny_model()
-    cache = model.new_cache(1, 64, dtype)
+    cache = model.reference_cache(1, 64, dtype)
     with torch.no_grad():
         model(torch.zeros(1, tokens, dtype=torch.long), cache)
     formats = cache_formats(dtype, model_dtype="fp32")

@@ -27,11 +27,11 @@ def test_json_has_the_promised_keys_and_sources(capsys):
     assert result["seats"] * result["kv_bytes_per_sequence"] <= result["cache_budget_bytes"]
 
 
-def test_budget_without_card_gives_tokens_and_concurrency(capsys):
+def test_budget_without_card_gives_tokens_and_seats(capsys):
     result = run_json(capsys, "--layers", "40", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
                       "--kv-cache-memory", "9GiB")
     assert result["kv_cache_tokens"] == 9 * 2**30 // 163_840
-    assert result["seats"] == 14
+    assert result["seats"] == 14 and "concurrency" not in result  # one name per quantity: seats
     assert "decode_ms_per_token" not in result
 
 
@@ -40,8 +40,9 @@ def test_vllm_engine_rounds_to_blocks_and_prints_its_lines(capsys):
     vllm = result["vllm"]
     assert vllm["num_gpu_blocks"] == 10 * 2**30 // (2 * 16 * 8 * 128 * 2) // 32
     assert vllm["gpu_kv_cache_tokens"] == vllm["num_gpu_blocks"] * 16
-    assert vllm["log_lines"][1] == f"GPU KV cache size: {vllm['gpu_kv_cache_tokens']:,} tokens"
-    assert vllm["log_lines"][2].startswith("Maximum concurrency for 8,192 tokens per request: ")
+    assert vllm["log_lines"][1] == (f"GPU KV cache size: {vllm['gpu_kv_cache_tokens']:,} tokens, "
+                                    "Maximum concurrency for 8,192 tokens per request: 10.00x")
+    assert result["seats"] == 10 and "kv_cache_tokens" not in result  # vLLM's figures, not a second set
 
 
 def test_tensor_parallel_splits_kv_heads_and_replicates_when_tp_exceeds_them(capsys):
@@ -156,3 +157,29 @@ def test_a_closed_pipe_is_not_a_traceback():
     stderr = child.stderr.read()
     assert child.wait() == 0
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr
+
+
+@pytest.mark.parametrize("argv", [["gpt-oss-120b-shape", "--gpu", "rtx-4090"], ["llama-3-8b", "--gpu", "l4",
+                                                                              "--context", "131072", "--batch", "4"]])
+def test_an_infeasible_batch_prints_what_fits_and_no_decode_floor(capsys, argv, tmp_path):
+    """The issue's contradictions: a negative budget beside a decode floor, 0 seats beside tokens/s."""
+    if argv[0] == "gpt-oss-120b-shape":
+        from test_quantized import GPT_OSS_120B_Q
+        (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_120B_Q))
+        argv = [str(tmp_path), *argv[1:]]
+    result = run_json(capsys, *argv)
+    assert not result["fits"] and result["binding_limit"] == "memory" and result["does_not_fit"]
+    assert not {"decode_ms_per_token", "decode_tokens_per_s", "prefill_ms"} & result.keys()
+    assert main(["plan", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "decode floor" not in shown and "tokens/s" not in shown and "does not fit" in shown
+    if result["cache_budget_bytes"] > 0:  # what does fit, in both directions
+        assert f"at most {result['seats']:,}" in result["does_not_fit"]
+        assert f"{result['max_context']:,} tokens each at batch 4" in result["does_not_fit"]
+
+
+def test_json_uses_one_name_per_quantity(capsys):
+    """The model's stated limit is max_position_embeddings; max_context is always the capacity figure."""
+    result = run_json(capsys, "llama-3-8b", "--gpu", "h100-sxm", "--context", "8192", "--batch", "8")
+    assert result["model"]["max_position_embeddings"] == 8192 and "max_context" not in result["model"]
+    assert result["max_context"] == 53_348 and result["fits"]

@@ -37,18 +37,11 @@ class ContiguousCache(KVCache):
 
     def float_buffers(self, layer: int) -> Optional[tuple[Tensor, Tensor]]:
         """Layer `layer`'s K and V storage [B, H, max_tokens, D] when rows are stored as plain
-        floats (what a fused decode step writes into), else None."""
+        floats, else None."""
         k, v = self.k_rows[layer], self.v_rows[layer]
         if type(k.codec) is type(v.codec) is FloatCodec:  # one plane, "x", of rows as stored
             return k.buffers["x"], v.buffers["x"]
         return None
-
-    def advance(self, tokens: int = 1) -> None:
-        """Count `tokens` more in every layer, written into `float_buffers` by a fused decode
-        step (kvlab.nn.fused_decode) rather than through `update`."""
-        if any(length + tokens > self.shape.max_tokens for length in self._lengths):
-            raise CacheError(f"the cache would hold more than its max_tokens={self.shape.max_tokens}")
-        self._lengths = [length + tokens for length in self._lengths]
 
     def tensors(self) -> Iterator[Tensor]:
         return chain.from_iterable(rows.tensors() for rows in self.k_rows + self.v_rows)

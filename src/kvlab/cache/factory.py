@@ -15,7 +15,6 @@ from kvlab.cache.codecs import FLOAT_DTYPES, Scale, make_codec
 from kvlab.cache.contiguous import ContiguousCache
 from kvlab.cache.kivi import KiviCache
 from kvlab.cache.latent import LatentCache
-from kvlab.cache.paged import PagedCache
 from kvlab.cache.quantized import QuantizedCache
 from kvlab.plan.kv_formats import FLOAT, KIVI, KVFormat, resolve_kv_format
 
@@ -28,16 +27,13 @@ def kv_format(kv_cache_dtype: str, compute_dtype: torch.dtype = torch.float32, g
 
 def make_cache(kv_cache_dtype: str, num_layers: int, batch: int, kv_heads: int, k_head_dim: int, v_head_dim: int,
                max_tokens: int, compute_dtype: torch.dtype = torch.float32, group_size: Optional[int] = None,
-               residual: Optional[int] = None, paged: bool = False, block_size: int = 16,
-               pre_rope: bool = False, rope: Optional[Rope] = None, *, k_scale: Scale = 1.0,
-               v_scale: Scale = 1.0, num_blocks: Optional[int] = None, preallocate: bool = False,
-               device: torch.device | str | None = None) -> KVCache:
-    """The cache for `kv_cache_dtype`: float/fp8 contiguous (preallocated), int8/4/2 growing,
-    KIVI growing with its residual, or any per-token format in a paged block pool.
+               residual: Optional[int] = None, pre_rope: bool = False, rope: Optional[Rope] = None, *,
+               k_scale: Scale = 1.0, v_scale: Scale = 1.0, device: torch.device | str | None = None) -> KVCache:
+    """The lab's reference cache for `kv_cache_dtype`: float/fp8 contiguous (preallocated), int8/4/2
+    growing, or KIVI growing with its residual. What serves is the paged pool (kvlab.cache.pool);
+    these are written independently of it, and tests hold the pool to them.
 
     k_scale/v_scale: fp8's static scales, a float (per tensor) or one per KV head.
-    num_blocks/preallocate: the paged pool's size (default: room for max_tokens per sequence)
-    and whether it exists up front (default: it grows as blocks are handed out).
     """
     fmt = kv_format(kv_cache_dtype, compute_dtype, group_size, residual)
     shape = KVShape(num_layers, batch, kv_heads, k_head_dim, v_head_dim, max_tokens)
@@ -47,15 +43,10 @@ def make_cache(kv_cache_dtype: str, num_layers: int, batch: int, kv_heads: int, 
                              f"got {torch.as_tensor(scale).numel()}")
     common = dict(compute_dtype=compute_dtype, pre_rope=pre_rope, rope=rope, device=device)
     if fmt.scheme == KIVI:
-        if paged:
-            raise CacheError(f"{fmt.name} groups keys across tokens and has no paged layout; use paged=False")
         cache: KVCache = KiviCache(shape, fmt, **common)
     else:
         k_codec, v_codec = make_codec(fmt, k_head_dim, k_scale), make_codec(fmt, v_head_dim, v_scale)
-        if paged:
-            cache = PagedCache(shape, k_codec, v_codec, block_size=block_size, num_blocks=num_blocks,
-                               preallocate=preallocate, **common)
-        elif fmt.scheme == FLOAT:
+        if fmt.scheme == FLOAT:
             cache = ContiguousCache(shape, k_codec, v_codec, **common)
         else:
             cache = QuantizedCache(shape, k_codec, v_codec, **common)

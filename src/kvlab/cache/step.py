@@ -2,16 +2,20 @@
 
 A serving step runs several sequences at once, each at its own position: one decodes its
 1,000th token while another reads the third chunk of its prompt. Nothing about positions
-lives in the model or the cache; the engine's runner fills one `StepBatch` per step and the
-model, attention and the pool read it:
+lives in the model or the cache; whoever drives the model (the engine's runner, or a lab
+command feeding a batch of rows) fills one `StepBatch` per step and the model, attention and
+the pool read it:
 
 - the step's new tokens are packed into one row, sequence after sequence (`query_lens` each);
 - `positions[i]` is the position of packed token i in its own sequence (RoPE reads it);
-- `slot_mapping[i]` is where its K/V go in the pool: block id x block_size + offset;
 - `context_lens[s]` is how many tokens sequence s attends over after this step's writes;
-- `block_tables[s]` lists sequence s's blocks in order, enough for `context_lens[s]` tokens;
-  under a sinks + window policy (`kv_window`, `sink_tokens`) a block no query will read again
-  has been handed back and its entry is `RELEASED`.
+- `seats[s]` is sequence s's seat (a KIVI pool keeps its residual there; by default its index);
+- per KV group g (kvlab.cache.kv_groups): `group_tables[g][s]` lists sequence s's blocks in
+  order, enough for `context_lens[s]` tokens (a block no query will read again may have been
+  handed back: its entry is `RELEASED`), and `group_slots[g][i]` is where packed token i's
+  K/V go in that group's layers: block id x block_size + offset.
+
+`build` computes positions and slots with tensor operations, not a loop per token.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 from torch import Tensor
 
 from kvlab.cache.base import CacheError
+from kvlab.cache.kv_groups import RELEASED
 
-RELEASED = -1  # a block table entry whose block was handed back (out of every future query's window)
+PADDING = -2  # past a table's end: never a block
 
 
 @dataclass
@@ -34,40 +39,58 @@ class StepBatch:
     query_lens: list[int]
     context_lens: list[int]
     positions: Tensor  # [N] long
-    slot_mapping: Tensor  # [N] long
-    block_tables: list[list[int]]
+    group_tables: list[list[list[int]]]  # [group][sequence] -> block ids
+    group_slots: list[Tensor]  # [group] -> [N] long
     block_size: int
-    kv_window: Optional[int] = None  # StreamingLLM's policy: a query at t sees p < sink_tokens or p >= t - kv_window
-    sink_tokens: int = 0
+    seats: Optional[list[int]] = None  # each sequence's seat: where a KIVI pool keeps its residual
 
     @classmethod
-    def build(cls, starts: Sequence[int], query_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-              block_size: int, kv_window: Optional[int] = None, sink_tokens: int = 0) -> "StepBatch":
-        """Sequence s feeds `query_lens[s]` tokens at positions starts[s].. and keeps its K/V in `block_tables[s]`."""
-        if not (len(starts) == len(query_lens) == len(block_tables)) or not starts:
+    def build(cls, starts: Sequence[int], query_lens: Sequence[int],
+              block_tables: Optional[Sequence[Sequence[int]]] = None, block_size: int = 16, *,
+              group_tables: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+              seats: Optional[Sequence[int]] = None) -> "StepBatch":
+        """Sequence s feeds `query_lens[s]` tokens at positions starts[s].. and keeps its K/V in
+        group_tables[g][s] for each KV group g (`block_tables`: the tables of a pool of one group)."""
+        if group_tables is None:
+            if block_tables is None:
+                raise CacheError("a step needs the sequences' block tables")
+            group_tables = [block_tables]
+        if not starts or not all(len(tables) == len(starts) == len(query_lens) for tables in group_tables):
             raise CacheError("a step needs one start, query length and block table per sequence, and at least one")
-        positions, slots = [], []
-        for start, length, table in zip(starts, query_lens, block_tables):
-            if start < 0 or length <= 0:
-                raise CacheError(f"a sequence must start at a position >= 0 and feed >= 1 token, got {start}, {length}")
-            end = start + length
-            if len(table) * block_size < end:
-                raise CacheError(f"a block table of {len(table)} blocks of {block_size} cannot hold {end} tokens")
-            for p in range(start, end):
-                if table[p // block_size] == RELEASED:
-                    raise CacheError(f"position {p} falls in a released block")
-                positions.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-        return cls(list(query_lens), [s + n for s, n in zip(starts, query_lens)],
-                   torch.tensor(positions, dtype=torch.long), torch.tensor(slots, dtype=torch.long),
-                   [list(t) for t in block_tables], block_size, kv_window, sink_tokens)
+        if min(starts) < 0 or min(query_lens) <= 0:
+            raise CacheError(f"a sequence must start at a position >= 0 and feed >= 1 token, got {list(starts)}, "
+                             f"{list(query_lens)}")
+        lens = torch.tensor(list(query_lens), dtype=torch.long)
+        total = int(lens.sum())
+        seq_of = torch.arange(len(lens)).repeat_interleave(lens)
+        offsets = torch.arange(total) - (lens.cumsum(0) - lens).repeat_interleave(lens)
+        positions = torch.tensor(list(starts), dtype=torch.long).repeat_interleave(lens) + offsets
+        logical = positions // block_size
+        slots = []
+        for tables in group_tables:
+            width = max(1, max(len(table) for table in tables))
+            padded = torch.tensor([list(table) + [PADDING] * (width - len(table)) for table in tables], dtype=torch.long)
+            blocks = padded[seq_of, logical.clamp(max=width - 1)]
+            blocks[logical >= width] = PADDING
+            if bool((blocks < 0).any()):
+                bad = int((blocks < 0).nonzero()[0])
+                s, p = int(seq_of[bad]), int(positions[bad])
+                why = "falls in a released block" if int(blocks[bad]) == RELEASED else \
+                    f"is past a block table of {len(tables[s])} blocks of {block_size}"
+                raise CacheError(f"position {p} of sequence {s} {why}")
+            slots.append(blocks * block_size + positions % block_size)
+        return cls(list(query_lens), [s + n for s, n in zip(starts, query_lens)], positions,
+                   [[list(table) for table in tables] for tables in group_tables], slots, block_size,
+                   list(seats) if seats is not None else list(range(len(starts))))
 
-    def window_mask(self, new: int, context: int, held: Tensor) -> Tensor:
-        """[new, held] mask of one sequence's queries (the last `new` of `context`) over the positions
-        `held` its blocks still hold, under the sinks + window policy."""
-        queries = torch.arange(context - new, context)[:, None]
-        held = held[None, :]
-        return (held <= queries) & ((held < self.sink_tokens) | (held >= queries - self.kv_window))
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """The first group's tables (a pool of one group: every sequence's table)."""
+        return self.group_tables[0]
+
+    @property
+    def slot_mapping(self) -> Tensor:
+        return self.group_slots[0]
 
     @property
     def num_seqs(self) -> int:
@@ -79,7 +102,7 @@ class StepBatch:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence feeds exactly one token (what the fused C step runs)."""
+        """Every sequence feeds exactly one token (what the paged C step runs)."""
         return all(n == 1 for n in self.query_lens)
 
     def last_token_index(self) -> Tensor:

@@ -7,8 +7,7 @@ import argparse
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.commands.args import WEIGHTS_CHOICES, byte_size, non_negative_int, positive_float, positive_int
 from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
-
-PAGED_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2")
+from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,14 +18,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="activation dtype (default fp32)")
     model.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     cache = parser.add_argument_group("KV cache (one paged pool)")
-    cache.add_argument("--kv-cache-dtype", default="auto", choices=PAGED_KV_DTYPES,
-                       help="pool storage; auto = the activations' dtype. KIVI groups keys across tokens and "
-                            "does not page")
+    cache.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
+                       help="pool storage; auto = the activations' dtype. kivi2/kivi4 keep each running "
+                            "request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
                        help=f"pool size as a fraction of the machine's available memory "
                             f"(default {DEFAULT_MEMORY_FRACTION})")
+    cache.add_argument("--gpu-memory-utilization", type=positive_float, metavar="FRACTION",
+                       help="vLLM's flag with its CPU meaning: the fraction of the machine's memory kvlab may use, "
+                            "the model included; the pool gets what is left once the model is loaded")
     cache.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}: longer runs read faster on CPUs)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -43,6 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-model-len", type=positive_int, help="prompt + output limit (default: the model's)")
     sched.add_argument("--max-wait-ms", type=float, default=0.0,
                        help="hold new requests until the batch is full or the oldest waited this long (default 0)")
+    sched.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="vLLM's flag: kvlab runs one CPU process, so only 1 (the default) is accepted")
+    sched.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                       help="vLLM's flag: only 1 (the default) is accepted")
     sched.add_argument("--seed", type=int, default=0, help="seed for requests that set none (default 0)")
     sched.add_argument("--no-fused", dest="fused", action="store_false",
                        help="run every step module by module (the reference path)")
@@ -64,5 +70,7 @@ def engine_from_args(args: argparse.Namespace):
                           max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
                           enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused,
                           speculative_config=args.speculative_config, kv_window=args.kv_window,
-                          sink_tokens=args.sink_tokens)
+                          sink_tokens=args.sink_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size)
     return LLMEngine(model, tokenizer, config)

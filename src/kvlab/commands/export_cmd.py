@@ -4,8 +4,10 @@ vLLM is where a model goes when one machine is not enough (tensor parallelism, G
 `kvlab convert` writes directories it can serve. This prints the command line and, from
 kvlab's planner (kvlab.plan.vllm_blocks, vLLM's own block arithmetic), the capacity lines
 vLLM logs at start-up for that directory's config.json: on its CPU backend (blocks of 128
-tokens, a VLLM_CPU_KVCACHE_SPACE budget) or on a named card (`--gpu h100`).
-Only the planner runs; nothing is loaded and no vLLM is needed.
+tokens, a VLLM_CPU_KVCACHE_SPACE budget) or on a named card (`--gpu h100`), where the budget is
+vLLM's start-up memory term by term (kvlab.plan.vllm_memory: weights exact, activation peak,
+CUDA graphs and non-torch memory estimated). Only the planner runs; nothing is loaded and no
+vLLM is needed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 
 from kvlab.commands.args import byte_size, positive_float, positive_int
 from kvlab.plan.errors import PlanError
+from kvlab.plan.vllm_versions import DEFAULT_VERSION, RELEASES
 
 EXAMPLES = """examples:
   kvlab export smollm2-mqa --vllm                                  # vLLM's CPU backend, 4 GiB of KV cache
@@ -41,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                         help="vLLM's --gpu-memory-utilization with --gpu (0.9)")
     parser.add_argument("--kv-cache-memory", type=byte_size,
                         help="KV cache budget (CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB; default 4GiB)")
+    parser.add_argument("--vllm-version", choices=tuple(RELEASES), default=DEFAULT_VERSION,
+                        help=f"the vLLM release whose arithmetic and lines to predict ({DEFAULT_VERSION})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     request = PlanRequest(context=max_len, kv_cache_dtype=kv_dtype, model_dtype="bf16" if cpu else "fp16",
                           kv_cache_memory=budget, device=None if cpu else device(args.gpu),
                           gpu_memory_utilization=args.gpu_memory_utilization, engine="vllm",
-                          vllm_device="cpu" if cpu else "cuda")
+                          vllm_device="cpu" if cpu else "cuda", vllm_version=args.vllm_version)
     result = plan(spec, request)
     if "vllm" not in result:
         raise PlanError("give --kv-cache-memory or --gpu so the planner knows vLLM's cache budget")
@@ -83,11 +88,21 @@ def run(args: argparse.Namespace) -> int:
               "num_blocks": vllm["num_gpu_blocks"], "block_size": vllm["block_size"],
               "kv_cache_tokens": vllm["gpu_kv_cache_tokens"], "kv_bytes_per_token": result["kv_bytes_per_token"],
               "bench": f"kvlab bench serve --base-url http://localhost:8000 --model {name}"}
+    if "vllm_startup" in result:
+        report["predicted_startup_memory"] = result["vllm_startup"]
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
         return 0
     print(line)
+    if "vllm_startup" in result:
+        table = result["vllm_startup"]
+        print(f"kvlab's planner predicts vLLM {table['vllm_version']}'s start-up memory on {table['device']} (GiB):")
+        print(f"  {table['requested_bytes'] / 2**30:.2f} = {table['total_bytes'] / 2**30:.2f} x "
+              f"{table['gpu_memory_utilization']:g} ({table['total_source']})")
+        for term in table["terms"]:
+            print(f"  - {term['bytes'] / 2**30:.2f} {term['term']} ({term['kind']})")
+        print(f"  = {table['available_bytes'] / 2**30:.2f} for the KV cache")
     print(f"kvlab's planner predicts vLLM ({report['device']}, blocks of {vllm['block_size']} tokens) will log:")
     for log_line in vllm["log_lines"]:
         print(f"  {log_line}")

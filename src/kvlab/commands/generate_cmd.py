@@ -12,6 +12,7 @@ from kvlab.plan.errors import PlanError
 EXAMPLES = """examples:
   kvlab generate stories260k --prompt "Once upon a time" --max-tokens 40 --temperature 0
   kvlab generate smollm2-135m --chat --prompt "What is a KV cache?" --max-tokens 80
+  kvlab generate smollm2-135m --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1
   kvlab generate smollm2-135m --prompt "The capital of France is" --kv-heads 1 --kv-cache-dtype int8
 """
 
@@ -26,6 +27,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    """A probability in (0, 1], as --top-p takes it (vLLM's range for top_p)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text, epilog=EXAMPLES,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens at most (default 64)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens")
+    parser.add_argument("--top-p", type=unit_interval, default=1.0,
+                        help="sample among the likeliest tokens whose probability reaches P (nucleus; default 1 = off)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.set_defaults(run=run)
@@ -52,11 +66,13 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Decode through the engine, as `LLM` and `kvlab serve` do: the same flags give the same path,
+    the same tokens and the same speed in all three."""
     import torch
 
-    from kvlab.cache.pool import KVPool
-    from kvlab.checkpoints.tokenizer import TextStream
-    from kvlab.nn.generate import cache_for_generation, generate
+    from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
+    from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvlab.engine.sizing import budget_for
 
     loaded = load_from_args(args)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -67,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
     if total > model.config.max_seq_len:
         raise PlanError(f"prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} exceeds the model's "
                         f"{model.config.max_seq_len}-token context")
-    cache = cache_for_generation(model, 1, total, args.kv_cache_dtype)
+    chunk = 2048
+    budget = budget_for(model, args.kv_cache_dtype, 1, total, DEFAULT_BLOCK_SIZE, chunk)
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=budget,
+                                                      max_num_seqs=1, max_num_batched_tokens=chunk, seed=args.seed))
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)
@@ -75,18 +94,21 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.chat:
         write(tokenizer.decode(ids))
-    stream = TextStream(tokenizer, write, context=ids[-1:])
-    stats: dict = {}
-    out = generate(model, ids, args.max_tokens, args.temperature, args.top_k,
-                   torch.Generator().manual_seed(args.seed), cache,
-                   stop_ids=[tokenizer.eos_id] if tokenizer.eos_id is not None else [],
-                   on_token=lambda next_ids: stream.push(int(next_ids[0])), stats=stats)
-    stream.flush()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k or 0,
+                            top_p=args.top_p, seed=args.seed)
+    seq = engine.add_request(ids, params)
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for delta in engine.step():
+                write(delta.text)
     write("\n")
-    steps = stats["decode_steps"]
-    rate = f", {steps / stats['decode_s']:.1f} tok/s decode" if steps and stats["decode_s"] > 0 else ""
-    held = (f"KV pool {args.kv_cache_dtype} {cache.nbytes():,} B ({cache.num_blocks} blocks of {cache.block_size} tokens)"
-            if isinstance(cache, KVPool) else f"KV cache {args.kv_cache_dtype} {cache.nbytes():,} B")
-    print(f"[kvlab] {len(ids)} prompt + {out.shape[1]} new tokens; prefill {stats['prefill_s'] * 1e3:.0f} ms{rate}; "
-          f"{held}", file=sys.stderr)
+    new = len(seq.output_ids)
+    prefill = seq.first_token_time - seq.arrival
+    rate = ""
+    if new > 1 and seq.last_token_time > seq.first_token_time:
+        rate = f", {(new - 1) / (seq.last_token_time - seq.first_token_time):.1f} tok/s decode"
+    pool = engine.pool
+    print(f"[kvlab] {len(ids)} prompt + {new} new tokens; prefill {prefill * 1e3:.0f} ms{rate}; "
+          f"KV pool {pool.kv_format.name} {pool.nbytes():,} B ({pool.num_blocks} blocks of {pool.block_size} tokens, "
+          f"{engine.decode_path})", file=sys.stderr)
     return 0

@@ -1,4 +1,4 @@
-"""Flags shared by the commands that run a real model (`kvlab generate`, `kvlab measure`)."""
+"""Flags shared by the commands that run a real model through the engine (`kvlab generate`, `kvlab measure`)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import sys
 
 from kvlab.commands.args import WEIGHTS_CHOICES, positive_int
 from kvlab.plan.errors import PlanError
-from kvlab.plan.kv_formats import KV_CACHE_DTYPES
+from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV cache storage (auto = the activations' dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
+                        help="KV cache storage, the engine's paged pool as `kvlab serve` runs it (auto = the "
+                             "activations' dtype; KVQuant's calibrated formats run in `kvlab eval`)")
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads); fewer "
                              "heads without uptraining is not a usable model: see kvlab convert and kvlab uptrain")

@@ -1,7 +1,9 @@
 """`kvlab measure`: run a real model and set what it did beside what the planner predicts.
 
-Planned cache bytes come from kvlab.plan for the very config that ran (ModelConfig.to_plan_spec)
-and must equal the cache's `nbytes()` exactly. Speed is reported the way vLLM's benchmarks
+The batch runs through the engine, as `kvlab serve` and `LLM` run it (the same path and speed
+for the same flags), on a pool sized for exactly this batch (kvlab.engine.sizing). Planned
+cache bytes come from kvlab.plan for the very config that ran (ModelConfig.to_plan_spec) and
+that pool's blocks, and must equal the pool's `nbytes()` exactly. Speed is reported the way vLLM's benchmarks
 define it: prefill tokens/s over the prompt, decode tokens/s over the one-token steps (the
 inverse of TPOT), and the decode rate as a fraction of this machine's bandwidth roofline,
 (weight bytes read per step + KV bytes read) / bandwidth.
@@ -51,13 +53,38 @@ def weight_bytes_read(model) -> int:
     return sum(t.nbytes for key, t in tensors.items() if key not in skip)
 
 
+def run_batch(model, tokenizer, prompts, new_tokens: int, kv_cache_dtype: str):
+    """Decode `prompts` (a list of id lists) together through the engine, as `kvlab serve` would, on a
+    pool sized for exactly this batch: (engine, sequences, prefill seconds, decode seconds)."""
+    import torch
+
+    from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
+    from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvlab.engine.sizing import budget_for
+
+    total = len(prompts[0]) + new_tokens
+    chunk = max(2048, sum(len(p) for p in prompts))  # every prompt in one step, then the decode steps
+    budget = budget_for(model, kv_cache_dtype, len(prompts), total, DEFAULT_BLOCK_SIZE, chunk)
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget,
+                                                      max_num_seqs=len(prompts), max_num_batched_tokens=chunk,
+                                                      enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    with torch.inference_mode():
+        engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        engine.run_until_done()  # warm-up: kernels built, scratch grown, pages touched
+        start = engine.clock()
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run_until_done()
+    first = max(seq.first_token_time for seq in seqs)
+    return engine, seqs, first - start, max(seq.last_token_time for seq in seqs) - first
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from kvlab.bench.provenance import provenance
-    from kvlab.cache import CacheError
-    from kvlab.nn.generate import generate
     from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+    from kvlab.plan.pool_capacity import engine_capacity
     from kvlab.plan.roofline import decode_step
 
     loaded = load_from_args(args)
@@ -69,19 +96,17 @@ def measure(args: argparse.Namespace) -> dict:
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(args.seed))
     held = total - 1  # the last token generated is never fed back, so the cache ends holding this many
-    try:
-        generate(model, prompt[:, :8], 2, cache=model.new_cache(args.batch, 9, args.kv_cache_dtype))  # warm-up
-        cache = model.new_cache(args.batch, held, args.kv_cache_dtype)
-    except CacheError as error:
-        raise PlanError(str(error)) from None
-    stats: dict = {}
-    generate(model, prompt, args.new_tokens, cache=cache, stats=stats)
+    engine, seqs, prefill_s, decode_s = run_batch(model, loaded.tokenizer, prompt.tolist(), args.new_tokens,
+                                                  args.kv_cache_dtype)
+    stats = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": args.new_tokens - 1}
 
     spec = config.to_plan_spec()
     model_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
     formats = cache_formats(args.kv_cache_dtype, model_dtype=model_dtype)
-    planned = args.batch * kv_bytes_per_sequence(spec, held, formats)
-    measured = cache.nbytes()
+    pool = engine.pool
+    capacity = engine_capacity(spec, pool.nbytes(), held, formats, pool.block_size, pool.seats)
+    planned = capacity["num_gpu_blocks"] * capacity["block_bytes_all_layers"] + capacity.get("residual_bytes", 0)
+    measured = pool.nbytes()  # the pool sized for this batch (kvlab.engine.sizing): the plan's bytes for its blocks
 
     if args.bandwidth_gbs:
         bandwidth, source = args.bandwidth_gbs, "--bandwidth-gbs"
@@ -100,10 +125,12 @@ def measure(args: argparse.Namespace) -> dict:
         "config": {"layers": config.n_layers, "q_heads": config.n_heads, "kv_heads": config.kv_heads,
                    "head_dim": config.head_size, "params": config.param_count()},
         "weights": model.packing, "dtype": model_dtype,
-        "decode_path": "fused C step" if stats["fused_decode"] else "module by module",
+        "decode_path": engine.decode_path,
         "kv_cache_dtype": args.kv_cache_dtype, "kv_format": formats.label,
         "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tokens_cached": held,
         "kv_bytes_planned": planned, "kv_bytes_measured": measured, "kv_bytes_match": planned == measured,
+        "kv_pool_blocks": pool.num_blocks, "kv_block_size": pool.block_size,
+        "kv_bytes_per_sequence_planned": kv_bytes_per_sequence(spec, held, formats),
         "prefill_tokens_per_s": args.batch * args.prompt_len / stats["prefill_s"],
         "decode_tokens_per_s": decode_rate,
         "weight_bytes_read_per_step": weights, "kv_bytes_read_per_sequence": kv_read,

@@ -9,12 +9,13 @@ from dataclasses import replace
 
 from kvlab.commands.args import byte_size, positive_float, positive_int
 from kvlab.plan.errors import PlanError
-from kvlab.plan.hardware import Device, custom_device, device
+from kvlab.plan.hardware import Device, custom_device, device, devices
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
 from kvlab.plan.loaders import explicit_model, load_model
 from kvlab.plan.planner import PlanRequest
 from kvlab.plan.spec import ModelSpec
 from kvlab.plan.speculative import check_speculation
+from kvlab.plan.vllm_versions import DEFAULT_VERSION, RELEASES
 from kvlab.plan.weights import WEIGHT_DTYPES
 
 
@@ -47,7 +48,8 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
             raise PlanError("give either MODEL or --layers/--heads/--head-dim, not both")
         spec = load_model(args.model)
         if args.params:
-            spec = replace(spec, params_total=int(args.params), params_active=None, weight_bytes=None)
+            spec = replace(spec, params_total=int(args.params), params_active=None, weight_bytes=None,
+                           weight_format=None, checkpoint_bytes=None)
         if args.kv_heads is not None:
             spec = spec.with_kv_heads(args.kv_heads)
     if args.mla_rank is not None:
@@ -93,7 +95,8 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                       help="what verifying k + 1 tokens costs in plain decode steps (1: decode bound by weight reads, "
                            "as on a GPU; on a CPU measure it: python3 -m kvlab.bench.speculative)")
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--context", type=positive_int, default=4096, help="tokens per sequence (4096)")
+    workload.add_argument("--context", "--max-model-len", dest="context", type=positive_int, default=4096,
+                          help="tokens per sequence (4096); with --engine vllm, its --max-model-len")
     workload.add_argument("--batch", type=positive_int, default=1, help="concurrent sequences (1)")
     workload.add_argument("--prompt-len", type=positive_int, help="prompt tokens for prefill time (= --context)")
     precision = parser.add_argument_group("precision")
@@ -106,17 +109,19 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                            help="quantisation group size (int*: 64, KIVI: 32)")
     precision.add_argument("--kivi-residual", type=int, help="KIVI full-precision window R (128)")
     precision.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
-                           help="weight precision (auto = the GGUF's real bytes, else bf16)")
+                           help="weight precision (auto = as the checkpoint ships: a GGUF's real bytes, a config's "
+                                "quantization_config, else bf16)")
     hardware = parser.add_argument_group("memory and hardware")
     hardware.add_argument("--kv-cache-memory", type=byte_size, help="cache budget, e.g. 9GiB or 20GB")
-    hardware.add_argument("--gpu", help="card from the catalog (h100-sxm, h200, a100-80gb, l4, l40s, rtx-4090, "
-                                        "jetson-agx-orin-64gb)")
+    hardware.add_argument("--gpu", help="card(s) from the catalog (kvlab plan --list-gpus); several, e.g. "
+                                        "h100,l40s,l4: which card and tensor-parallel size serve --context at --batch")
     hardware.add_argument("--memory-gib", type=positive_float, help="custom card: memory in GiB")
     hardware.add_argument("--bandwidth-gbs", type=positive_float, help="custom card: bandwidth in GB/s")
     hardware.add_argument("--tflops", type=positive_float, help="custom card: dense bf16 TFLOP/s")
     hardware.add_argument("--gpu-memory-utilization", type=positive_float, default=0.9,
                           help="share of card memory for weights + cache (0.9)")
-    hardware.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="ranks (1)")
+    hardware.add_argument("--tensor-parallel-size", type=positive_int,
+                          help="ranks (1; with several --gpu cards, the smallest of 1, 2, 4, 8 that serves)")
     hardware.add_argument("--engine", choices=("kvlab", "vllm"), default="kvlab",
                           help="vllm: round to blocks and print vLLM's start-up lines")
     hardware.add_argument("--block-size", type=positive_int,
@@ -125,10 +130,28 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                           help="vLLM backend: cuda, or cpu (128-token blocks, budget from VLLM_CPU_KVCACHE_SPACE GiB "
                                "unless --kv-cache-memory is given)")
     hardware.add_argument("--max-num-batched-tokens", type=positive_int,
-                          help="vLLM scheduler budget per step (vllm serve's default: 8192 on 70+ GiB cards but "
-                               "A100, else 2048); sets sliding layers' peak blocks")
+                          help="vLLM scheduler budget per step (vllm serve's default: 16384 on 160+ GiB cards, 8192 "
+                               "on 70+ GiB but A100, else 2048; CPU 2048); sets windowed layers' reserve and the "
+                               "profiled activation peak")
+    hardware.add_argument("--max-num-seqs", type=positive_int,
+                          help="vLLM's concurrent-sequence limit (vllm serve's default: 1024 on 70+ GiB cards, else "
+                               "256; CPU 128); sizes the profiled sampler peak")
+    hardware.add_argument("--vllm-version", choices=tuple(RELEASES), default=DEFAULT_VERSION,
+                          help=f"the vLLM release whose arithmetic and log lines to reproduce ({DEFAULT_VERSION}, "
+                               "the one kvlab benchmarks; 0.19: releases before the logged-size change)")
     hardware.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                           help="vLLM with its hybrid manager off: windowed layers allocated as full attention")
+
+
+def cards_from_args(args: argparse.Namespace) -> list[Device]:
+    """The cards `--gpu` names (several with commas), or the custom card, or none."""
+    custom = (args.memory_gib, args.bandwidth_gbs, args.tflops)
+    if args.gpu and any(value is not None for value in custom):
+        raise PlanError("give --gpu or --memory-gib/--bandwidth-gbs/--tflops, not both")
+    if args.gpu:
+        return devices(args.gpu)
+    card = device_from_args(args)
+    return [card] if card is not None else []
 
 
 def device_from_args(args: argparse.Namespace) -> Device | None:
@@ -136,7 +159,10 @@ def device_from_args(args: argparse.Namespace) -> Device | None:
     if args.gpu and any(value is not None for value in custom):
         raise PlanError("give --gpu or --memory-gib/--bandwidth-gbs/--tflops, not both")
     if args.gpu:
-        return device(args.gpu)
+        cards = devices(args.gpu)
+        if len(cards) > 1:
+            raise PlanError("several --gpu cards: this command plans one card")
+        return cards[0]
     if any(value is not None for value in custom):
         if any(value is None for value in custom):
             raise PlanError("a custom card needs all of --memory-gib, --bandwidth-gbs and --tflops")
@@ -144,13 +170,16 @@ def device_from_args(args: argparse.Namespace) -> Device | None:
     return None
 
 
-CPU_DEFAULT_KV_CACHE_SPACE = 4 * 2**30  # vLLM's CPU platform, when VLLM_CPU_KVCACHE_SPACE is unset or 0
+CPU_DEFAULT_KV_CACHE_SPACE = 4 * 2**30  # vLLM 0.19's CPU platform, when VLLM_CPU_KVCACHE_SPACE is unset or 0
 
 
 def _cpu_kv_cache_space(args: argparse.Namespace) -> int | None:
     """The budget vLLM's CPU backend takes: --kv-cache-memory, else VLLM_CPU_KVCACHE_SPACE (GiB), as vLLM reads it.
 
-    (vllm/platforms/cpu.py: an integer number of GiB; 0 or unset means 4 GiB, negative is an error.)
+    vLLM 0.32 (vllm/platforms/cpu.py, v1/worker/cpu_worker.py): a set variable is an integer number of GiB
+    and is the budget exactly (0 leaves no cache, so vLLM refuses to start); unset, the worker takes
+    --gpu-memory-utilization of its NUMA node's memory less what its own process already holds, a figure
+    of the machine at start-up, so kvlab asks for one. vLLM 0.19 read unset or 0 as 4 GiB.
     """
     if args.vllm_device != "cpu":
         return args.kv_cache_memory
@@ -158,29 +187,37 @@ def _cpu_kv_cache_space(args: argparse.Namespace) -> int | None:
         raise PlanError("--vllm-device cpu needs --engine vllm")
     if args.kv_cache_memory is not None:
         return args.kv_cache_memory
-    text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0").strip() or "0"
+    legacy = args.vllm_version == "0.19"
+    text = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text and not legacy:
+        raise PlanError("VLLM_CPU_KVCACHE_SPACE (GiB) is not set: vLLM 0.32's CPU backend then sizes its cache from "
+                        "this machine's free memory at start-up; set it or give --kv-cache-memory")
     try:
-        gib = int(text)
+        gib = int(text or "0")
     except ValueError:
         raise PlanError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got {text!r}") from None
     if gib < 0:
         raise PlanError(f"VLLM_CPU_KVCACHE_SPACE must be a positive number of GiB, got {gib}")
+    if gib == 0 and not legacy:
+        raise PlanError("VLLM_CPU_KVCACHE_SPACE=0 leaves vLLM 0.32's CPU backend no KV cache (it refuses to start)")
     if gib == 0:
-        print("kvlab plan: warning: VLLM_CPU_KVCACHE_SPACE (GiB) is not set; vLLM's CPU backend then uses 4 GiB",
+        print("kvlab plan: warning: VLLM_CPU_KVCACHE_SPACE (GiB) is not set; vLLM 0.19's CPU backend then uses 4 GiB",
               file=sys.stderr)
         return CPU_DEFAULT_KV_CACHE_SPACE
     return gib * 2**30
 
 
-def request_from_args(args: argparse.Namespace) -> PlanRequest:
+def request_from_args(args: argparse.Namespace, card: Device | None = None) -> PlanRequest:
+    """The plan request the flags describe (`card`: one of several --gpu cards, planned in turn)."""
     return PlanRequest(
         context=args.context, batch=args.batch, kv_cache_dtype=args.kv_cache_dtype, k_dtype=args.k_dtype,
         v_dtype=args.v_dtype, model_dtype=args.dtype, kv_group_size=args.kv_group_size,
         kivi_residual=args.kivi_residual, weight_dtype=args.weight_dtype, kv_cache_memory=_cpu_kv_cache_space(args),
-        device=device_from_args(args), gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel=args.tensor_parallel_size, prompt_len=args.prompt_len, engine=args.engine,
+        device=card or device_from_args(args), gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel=args.tensor_parallel_size or 1, prompt_len=args.prompt_len, engine=args.engine,
         block_size=args.block_size, vllm_device=args.vllm_device, max_num_batched_tokens=args.max_num_batched_tokens,
-        vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
+        max_num_seqs=args.max_num_seqs, vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
+        vllm_version=args.vllm_version,
         draft=load_model(args.draft) if args.draft else None, acceptance_rate=args.acceptance_rate,
         num_speculative_tokens=args.num_speculative_tokens, verify_cost=args.verify_cost,
     )

@@ -27,6 +27,11 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     server.add_argument("--stream-interval", type=positive_int, default=1,
                         help="stream each request's tokens N at a time: the first at once, then every N, the rest at "
                              "the end (as vLLM's; fewer chunks cost the server less at many streams; default 1)")
+    server.add_argument("--metric-names", default="both", choices=("both", "kvlab", "vllm"),
+                        help="/metrics under kvlab: names, vLLM's vllm: names (existing dashboards), or both "
+                             "(default both)")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info (vLLM's flag; lm-eval's remote tokenizer reads it)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(run=run)
 
@@ -45,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("model %s: %s weights, %s activations, decode %s, max_model_len %d", name, engine.model.packing,
              args.dtype, engine.decode_path, engine.max_model_len)
     async_engine = AsyncEngine(engine, args.max_waiting_requests, args.stream_interval)
-    app = create_app(async_engine, name, args.api_key)
+    app = create_app(async_engine, name, args.api_key, args.metric_names, args.enable_tokenizer_info_endpoint)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # SIGTERM/SIGINT: stop accepting, abort what runs, exit 0

@@ -7,6 +7,7 @@ Hugging Face's TextStreamer and vLLM do.
 
 Stop strings are matched in the text so far; text that could still turn out to be the start
 of a stop string is held back until it cannot, so a streamed stop string is never half-sent.
+Before `min_tokens` tokens are out no stop string ends the request (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids)
         self.prefix = max(len(self.ids) - 5, 0)
@@ -25,17 +26,19 @@ class Detokenizer:
         self.sent = 0  # characters of `text` already returned
         self.stop, self.include_stop = list(stop), include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.min_tokens, self.pushed = min_tokens, 0
 
     def push(self, token_id: int) -> tuple[str, Optional[str]]:
         """Add one generated id; return (text to send now, the stop string matched or None)."""
         self.ids.append(token_id)
+        self.pushed += 1
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         after = self.tokenizer.decode(self.ids[self.prefix:])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             start = len(self.text)
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
-            for stop in self.stop:  # a match must end in the new characters
+            for stop in (self.stop if self.pushed >= self.min_tokens else ()):  # a match must end in the new characters
                 at = self.text.find(stop, max(0, start - len(stop) + 1))
                 if at >= 0:
                     self.text = self.text[:at + (len(stop) if self.include_stop else 0)]

@@ -20,7 +20,10 @@ from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.detokenizer import Detokenizer
 from kvlab.engine.errors import RequestError
+from kvlab.engine.logits_process import LogitsProcessor
+from kvlab.engine.memory_budget import utilization_budget
 from kvlab.engine.outputs import StepDelta
+from kvlab.engine.parallel_sampling import HeldSiblings, add_samples
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -29,7 +32,8 @@ from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
-from kvlab.plan.vllm_blocks import vllm_capacity
+from kvlab.plan.kv_formats import KIVI
+from kvlab.plan.pool_capacity import engine_capacity
 
 log = logging.getLogger("kvlab.engine")
 DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
@@ -53,6 +57,11 @@ class EngineConfig:
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
     kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
     sink_tokens: int = 0
+    # vLLM's flags with their CPU meaning (kvlab.engine.memory_budget): the fraction of host memory kvlab may
+    # use (weights included; the pool gets the rest), and one process (tensor / pipeline parallel 1)
+    gpu_memory_utilization: Optional[float] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
@@ -64,6 +73,13 @@ class EngineConfig:
                                f"{self.kv_window} and {self.sink_tokens}", "kv_window")
         if self.sink_tokens and self.kv_window is None:
             raise RequestError("--sink-tokens needs --kv-window", "sink_tokens")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                               "gpu_memory_utilization")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise RequestError(f"--{name.replace('_', '-')} {getattr(self, name)}: kvlab runs the model in one "
+                                   "CPU process, so only 1 is supported", name)
 
 
 def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
@@ -96,14 +112,15 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.clock = clock
         mc = model.config
-        if any(mc.windows):
-            raise RequestError(f"{mc.name} has sliding-window layers, which kvlab's engine does not serve yet: its "
-                               "pool keeps every layer's blocks, where vLLM frees the blocks a sliding layer no "
-                               "longer sees; run it with `kvlab generate` or `kvlab eval`, or serve it with vLLM")
         self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
         if config.max_model_len and config.max_model_len > mc.max_seq_len:
             raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
-        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes())
+        if config.kv_cache_memory:
+            budget = config.kv_cache_memory
+        elif config.gpu_memory_utilization is not None:  # vLLM's CPU reading of the flag (kvlab.engine.memory_budget)
+            budget = utilization_budget(config.gpu_memory_utilization, available_memory_bytes())
+        else:
+            budget = int(config.kv_cache_memory_fraction * available_memory_bytes())
         formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         draft = None
@@ -119,11 +136,16 @@ class LLMEngine:
         windowed = config.kv_window is not None
         if windowed and self.speculative is not None:
             raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
+        kivi = formats.k.scheme == KIVI  # quantised blocks plus a residual per seat (kvlab.cache.kivi_pool)
+        if kivi and (self.speculative is not None or windowed):
+            raise RequestError(f"{formats.k.name} pools quantise what a step wrote; speculative decoding and "
+                               "--kv-window are not supported with them", "kv_cache_dtype")
+        seats = config.max_num_seqs if kivi else 0
         if draft is None:
             spec = mc.to_plan_spec().with_kv_window(config.kv_window, config.sink_tokens) if windowed \
                 else mc.to_plan_spec()
-            self.capacity = vllm_capacity(spec, budget, self.max_model_len, formats, config.block_size,
-                                          device="cpu", max_num_batched_tokens=config.max_num_batched_tokens)
+            self.capacity = engine_capacity(spec, budget, self.max_model_len, formats, config.block_size, seats,
+                                            config.max_num_batched_tokens)
         else:
             self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
                                             self.max_model_len, formats, config.block_size)
@@ -131,16 +153,22 @@ class LLMEngine:
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
                                f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
-        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype)
+        if draft is not None and any(layer is not None for layer in mc.windows):
+            raise RequestError("a draft model shares the pool's blocks with a target of one KV group; "
+                               f"{mc.name} has sliding layers", "speculative_config")
+        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
+                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats)
         draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
             if draft is not None else None
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a KIVI pool's blocks hold what was quantised when they were written, which depends on the
+        # sequence's length then: a prefix computed in another sequence is not the same bytes
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not kivi,
+                                   self.pool.groups, seats)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.max_wait_ms, lookahead,
-                                                   config.kv_window, config.sink_tokens), self.blocks)
+                                                   self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.fused and not windowed:  # the C step reads whole block tables; released blocks need the module path
+        if config.fused:
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
@@ -149,13 +177,19 @@ class LLMEngine:
                 draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
                 draft = packed if draft_step is not None else draft
         self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len, draft_step, config.kv_window, config.sink_tokens)
+                                  self.max_model_len, draft_step)
         self.decode_path = "fused C step" if paged_step is not None else "module by module"
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.on_finish: list[Callable[[Seq], None]] = []
+        # Issue 39's request extras: the runner asks this processor to change the sampled rows' logits
+        # (penalties, logit_bias, min_tokens, grammar masks), and `n`'s siblings wait in `held`.
+        self.logits_processor = LogitsProcessor(tokenizer, mc.vocab_size)
+        self.runner.logits_processor = self.logits_processor
+        self.on_finish.append(self.logits_processor.forget)
+        self.held = HeldSiblings()
         for line in self.capacity["log_lines"]:
             log.info(line)
 
@@ -182,18 +216,39 @@ class LLMEngine:
     def add_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None, now: Optional[float] = None) -> Seq:
         params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError(f"n={params.n}: add several samples of one prompt with add_samples", "n")
         ids = self.encode(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "request_id")
+        self._check_extras(params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         seq = Seq(request_id, ids, params, self.clock() if now is None else now)
         self.scheduler.add(seq)  # refuses what can never fit
-        self.requests[request_id] = (seq, Detokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output)
-                                     if self.tokenizer is not None else None)
+        self.logits_processor.start(request_id, params)
+        self.requests[request_id] = (seq, self._new_detokenizer(seq))
         self.prompt_tokens_total += len(ids)
         return seq
+
+    def add_samples(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    request_id: Optional[str] = None, now: Optional[float] = None) -> list[Seq]:
+        """`params.n` samples of one prompt (vLLM's n): sequences "{i}_{request_id}" sharing the prompt's
+        blocks (kvlab.engine.parallel_sampling); all are refused if one would be."""
+        return add_samples(self, prompt, params, request_id or f"req-{next(self._ids)}", now)
+
+    def _new_detokenizer(self, seq: Seq) -> Optional[Detokenizer]:
+        p = seq.params
+        return Detokenizer(self.tokenizer, seq.prompt_ids, p.stop, p.include_stop_str_in_output, p.min_tokens) \
+            if self.tokenizer is not None else None
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        """Refuse the request extras this engine cannot apply (RequestError, HTTP 400)."""
+        if self.speculative is not None and (params.processed or params.prompt_logprobs is not None):
+            raise RequestError("penalties, logit_bias, min_tokens, structured outputs and prompt_logprobs are not "
+                               "supported with speculative decoding (--speculative-config)", "speculative_config")
+        self.logits_processor.check(params)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is (waiting or running) and free its blocks; unknown ids are ignored."""
@@ -202,7 +257,7 @@ class LLMEngine:
             self._finish(entry[0], "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.held.groups)
 
     def reset_prefix_cache(self) -> int:
         """Drop the cached prefixes no request holds (the blocks stay free); how many blocks that was."""
@@ -214,7 +269,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.held)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -222,6 +277,7 @@ class LLMEngine:
         """One step. `now` (seconds) overrides the engine's clock: a simulator's virtual time."""
         virtual = now is not None
         now = now if virtual else self.clock()
+        self.held.release(self.scheduler)  # n's siblings join once their first sample's prompt is computed
         scheduled = self.scheduler.schedule(now)
         if not scheduled:
             return []
@@ -239,8 +295,7 @@ class LLMEngine:
             self.blocks.commit_full_blocks(seq)
             if self.speculative is not None:
                 self.blocks.trim(seq)
-            if self.config.kv_window is not None:
-                self.blocks.release_outside_window(seq, self.config.kv_window, self.config.sink_tokens)
+            self.blocks.release_outside_window(seq)  # windowed groups hand back what left their window
             delta = None
             for draw in draws:
                 piece = self._append(seq, draw, done)

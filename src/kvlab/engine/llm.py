@@ -6,7 +6,12 @@
     print(out[0].outputs[0].text, out[0].outputs[0].finish_reason)
 
 All prompts go into one engine at once and are batched continuously; outputs come back in
-the order of the prompts.
+the order of the prompts, each with `n` completions (SamplingParams(n=...)). The other
+request extras are SamplingParams' fields too, as in vLLM: penalties, logit_bias, min_tokens,
+prompt_logprobs (RequestOutput.prompt_logprobs) and structured outputs:
+
+    from kvlab.engine.structured import StructuredOutputsParams
+    params = SamplingParams(n=2, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
 """
 
 from __future__ import annotations
@@ -49,12 +54,20 @@ class LLM:
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         engine = self.engine
-        seqs = [engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
-        texts = {seq.request_id: [] for seq in seqs}
+        groups = []
+        try:
+            for p, sp in zip(prompts, params):
+                sp = sp or SamplingParams()
+                groups.append(engine.add_samples(p, sp) if sp.n > 1 else [engine.add_request(p, sp)])
+        except Exception:
+            for seq in (s for group in groups for s in group):
+                engine.abort(seq.request_id)
+            raise
+        texts = {seq.request_id: [] for group in groups for seq in group}
         bar = None
         if use_tqdm:
             from kvlab.train.progress import progress_bar
-            bar = progress_bar(len(seqs), "requests", unit="req")
+            bar = progress_bar(len(texts), "requests", unit="req")
         while engine.has_unfinished():
             for delta in engine.step():
                 texts[delta.request_id].append(delta.text)
@@ -62,12 +75,18 @@ class LLM:
                     bar.update()
         if bar is not None:
             bar.close()
-        return [RequestOutput(seq.request_id, p if isinstance(p, str) else None, seq.prompt_ids,
-                              [CompletionOutput(0, "".join(texts[seq.request_id]), list(seq.output_ids),
-                                                seq.finish_reason, seq.logprobs or None)], True,
-                              RequestMetrics(seq.arrival, seq.first_scheduled, seq.first_token_time,
-                                             seq.last_token_time, seq.num_cached_prompt, seq.preemptions))
-                for p, seq in zip(prompts, seqs)]
+        out = []
+        for p, group in zip(prompts, groups):
+            first = group[0]
+            outputs = [CompletionOutput(i, "".join(texts[seq.request_id]), list(seq.output_ids), seq.finish_reason,
+                                        seq.logprobs or None) for i, seq in enumerate(group)]
+            request_id = first.request_id.split("_", 1)[1] if len(group) > 1 else first.request_id  # "0_req-3"
+            out.append(RequestOutput(request_id, p if isinstance(p, str) else None, first.prompt_ids, outputs,
+                                     True, RequestMetrics(first.arrival, first.first_scheduled, first.first_token_time,
+                                                          first.last_token_time, first.num_cached_prompt,
+                                                          first.preemptions),
+                                     first.prompt_logprobs or None))
+        return out
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Optional[SamplingParams] = None,
              use_tqdm: bool = False) -> list[RequestOutput]:

@@ -29,7 +29,7 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """One request's result so far (vLLM's names: outputs[0].text, .token_ids, .finish_reason)."""
+    """One request's result so far (vLLM's names: outputs[i].text, .token_ids, .finish_reason; n outputs)."""
 
     request_id: str
     prompt: Optional[str]
@@ -37,6 +37,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[list[Optional[Sampled]]] = None  # per prompt token (None first), when asked
 
 
 @dataclass

@@ -40,6 +40,7 @@ from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logit
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
+from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
 from kvlab.nn.kernels import prompts_on_float_gemm
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
@@ -52,14 +53,20 @@ C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequen
 C_PROMPT_CONTEXT = 2048
 
 
+def group_tables(seqs: list[Sequence], groups: int) -> list[list[list[int]]]:
+    """The sequences' block tables, per KV group: [group][sequence]."""
+    return [[seq.block_tables[g] for seq in seqs] for g in range(groups)]
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, seed: int = 0, paged_step: Optional[PagedStep] = None,
                  speculative: Optional[SpeculativeConfig] = None, draft_model=None, draft_pool: Optional[KVPool] = None,
-                 max_model_len: Optional[int] = None, draft_step=None, kv_window: Optional[int] = None,
-                 sink_tokens: int = 0) -> None:
+                 max_model_len: Optional[int] = None, draft_step=None) -> None:
         self.model, self.pool = model, pool
-        self.kv_window, self.sink_tokens = kv_window, sink_tokens  # the sinks + window policy, read by attention
         self.generator = torch.Generator().manual_seed(seed)
+        # Penalties, logit_bias, min_tokens and grammar masks (kvlab.engine.logits_process), set by the
+        # engine; it leaves the rows of plain requests alone.
+        self.logits_processor = None
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
         fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
         self.fault_token = int(fault) if fault.lstrip("-").isdigit() else None
@@ -92,20 +99,22 @@ class ModelRunner:
                  seq.all_ids[seq.num_computed:seq.num_computed + n]
                  for seq, n, dec, d in zip(seqs, step.num_tokens, decoding, drafts)]
         lens = [len(f) for f in feeds]
-        batch = StepBatch.build([seq.num_computed for seq in seqs], lens, [seq.block_table for seq in seqs],
-                                self.pool.block_size, self.kv_window, self.sink_tokens)
+        tables = group_tables(seqs, len(self.pool.groups))
+        batch = StepBatch.build([seq.num_computed for seq in seqs], lens, block_size=self.pool.block_size,
+                                group_tables=tables, seats=[seq.seat or 0 for seq in seqs])
         ends = torch.tensor(lens).cumsum(0)
         if self.paged_step is not None and batch.is_decode:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
         else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
-            picks = [list(range(int(end) - n, int(end))) if d else [int(end) - 1] for end, n, d in
-                     zip(ends, lens, drafts)]
+            # every row of a feed where drafts are verified or prompt log-probabilities asked for, else the last
+            picks = [list(range(int(end) - n, int(end))) if d or wants_prompt_rows(seq) else [int(end) - 1]
+                     for end, n, d, seq in zip(ends, lens, drafts, seqs)]
             flat = [r for rs in picks for r in rs]
             in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT and not prompts_on_float_gemm())
             if self.paged_step is not None and in_c:  # a row per token, in C
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                               [seq.block_table for seq in seqs], logit_rows=flat)
+                                               tables, logit_rows=flat)
             else:
                 logits = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                     rows=torch.tensor(flat))[0]
@@ -119,12 +128,17 @@ class ModelRunner:
             if drafts[i]:
                 out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
             else:
+                if seq.params.prompt_logprobs is not None:  # the rows read for this feed end at its last token
+                    record_prompt_logprobs(seq, logits[rows[i]], seq.num_computed + n - len(rows[i]))
                 seq.num_computed += n
                 if seq.num_computed == seq.num_tokens:
                     plain.append(i)
         if plain:
-            drawn = sample_rows(logits[[rows[i][-1] for i in plain]], [seqs[i].params for i in plain],
-                                [seqs[i].generator for i in plain], self.generator)
+            chosen, raw = logits[[rows[i][-1] for i in plain]], None
+            if self.logits_processor is not None:
+                chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
+            drawn = sample_rows(chosen, [seqs[i].params for i in plain],
+                                [seqs[i].generator for i in plain], self.generator, raw)
             for i, sampled in zip(plain, drawn):
                 out[i] = [sampled]
         return out
@@ -169,11 +183,12 @@ class ModelRunner:
                 begin = seq.draft_computed if own and round_ == 0 else seq.num_tokens - 1 + round_
                 starts.append(begin)
                 feeds.append(ids[begin:seq.num_tokens + round_])
-            tables = [seqs[i].block_table for i in live]
+            tables = group_tables([seqs[i] for i in live], len(pool.groups))
             if self.draft_step is not None and max(len(f) for f in feeds) <= C_FEED_LIMIT:
                 logits = self.draft_step.feeds(feeds, starts, tables)[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
             else:
-                batch = StepBatch.build(starts, [len(f) for f in feeds], tables, pool.block_size)
+                batch = StepBatch.build(starts, [len(f) for f in feeds], block_size=pool.block_size,
+                                        group_tables=tables)
                 logits = model(torch.tensor([[t for f in feeds for t in f]]), pool, last_only=True, step=batch,
                                num_layers=layers)[0]
             for row, i in enumerate(live):

@@ -34,8 +34,6 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_wait_ms: float = 0.0
     lookahead: int = 0  # slots reserved past each decode for speculative drafts (k)
-    kv_window: Optional[int] = None  # the sinks + window policy: a sequence's blocks are bounded
-    sink_tokens: int = 0
 
 
 def draft_budget(k: int, max_tokens: int | None, outputs: int, max_model_len: int, num_tokens: int,
@@ -72,11 +70,8 @@ class Scheduler:
         if len(seq.prompt_ids) >= limit or (seq.params.max_tokens is not None and wanted > limit):
             raise RequestError(f"this model's maximum context length is {limit} tokens; the request asks for "
                                f"{len(seq.prompt_ids)} prompt + {seq.params.max_tokens} new tokens", "max_tokens")
-        need = self.blocks.blocks_for(min(wanted, limit))
-        if self.config.kv_window is not None:  # released blocks come back: at most sinks + window + a chunk held
-            blocks_for = self.blocks.blocks_for
-            need = min(need, blocks_for(self.config.sink_tokens)
-                       + blocks_for(self.config.kv_window + self.config.max_num_batched_tokens) + 1)
+        # windowed groups hand blocks back: at most their sinks, window and a chunk held
+        need = self.blocks.peak_blocks(min(wanted, limit), self.config.max_num_batched_tokens)
         if need > self.blocks.num_blocks:
             raise RequestError(f"the request needs {need} KV blocks and the whole pool has {self.blocks.num_blocks}; "
                                "lower max_tokens or raise --kv-cache-memory", "max_tokens")
@@ -111,14 +106,13 @@ class Scheduler:
             reserve = n
             if n == 1 and seq.remaining == 1 and self.config.lookahead:  # a decode: room for the drafts too
                 reserve = max(1, min(1 + self.config.lookahead, budget, self.config.max_model_len - seq.num_computed))
-            while not self.blocks.can_append(seq, reserve):
+            while not self.blocks.allocate_slots(seq, reserve):
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            self.blocks.append(seq, reserve)
             step.seqs.append(seq)
             step.num_tokens.append(n)
             budget -= reserve
@@ -126,12 +120,10 @@ class Scheduler:
         if not step.preempted and self._admission_open(now):  # 2. waiting, oldest first
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
-                cached = len(self.blocks._cached_prefix(seq)) * self.blocks.block_size
-                n = min(seq.num_tokens - cached, budget)
-                if not self.blocks.can_allocate(seq, n):
+                n = self.blocks.admit(seq, budget)  # its cached prefix and its first chunk, or nothing
+                if n is None:
                     break
                 self.waiting.popleft()
-                self.blocks.allocate(seq, n)
                 seq.status = Status.RUNNING
                 if seq.first_scheduled is None:
                     seq.first_scheduled = now

@@ -37,7 +37,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (kvlab.cache.kv_groups)
+    seat: Optional[int] = None  # a place among max_num_seqs while running (a KIVI pool's residual rows)
     num_computed: int = 0
     draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)
@@ -47,12 +48,18 @@ class Sequence:
     last_token_time: Optional[float] = None
     token_times: list[float] = field(default_factory=list)
     logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Optional[Sampled]] = field(default_factory=list)  # per prompt token, when asked
     generator: Optional[torch.Generator] = None
     error: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table: every block of a model whose layers form one group."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def all_ids(self) -> list[int]:

@@ -38,7 +38,8 @@ class KVSetting:
         if self.sinks and self.window is None:
             raise EvalError("--sink-tokens needs --kv-window")
         if self.window is not None and (self.is_kvquant or self.kv_cache_dtype.startswith("kivi")):
-            raise EvalError(f"--kv-window keeps per-token rows; {self.kv_cache_dtype} is not stored that way")
+            raise EvalError(f"--kv-window hands back whole blocks of per-token rows; {self.kv_cache_dtype} is not "
+                            "stored that way")
         if self.uptrain_steps and self.kv_heads is None:
             raise EvalError("uptrain_steps labels an uptrained KV-head conversion; set kv_heads too")
         if self.mla_rank is not None and (self.kv_heads is not None or self.pre_rope or self.is_kvquant):
@@ -60,10 +61,10 @@ class KVSetting:
 
     @property
     def in_paged_pool(self) -> bool:
-        """Whether the engine's paged pool stores this format: per-token K/V rows, rotated before caching
-        (not KIVI's groups across tokens, KVQuant's or pre-RoPE keys, nor MLA's latent)."""
-        return not (self.pre_rope or self.is_kvquant or self.kv_cache_dtype.startswith("kivi")
-                    or self.mla_rank is not None)
+        """Whether the engine's paged pool stores this setting (every format but KVQuant's, and keys
+        rotated before caching): then the eval runs on that pool, the bytes and the forward the
+        engine serves (kvlab.cache.PooledRows)."""
+        return not (self.pre_rope or self.is_kvquant)
 
     @property
     def is_kvquant(self) -> bool:
@@ -86,20 +87,15 @@ def build_model(loaded, setting: KVSetting, seed: int = 0):
 
 
 def new_cache(model, setting: KVSetting, max_tokens: int, calibration=None):
-    """A batch-1 cache for `model` under `setting` (kvquant needs its `calibration`)."""
+    """A batch-1 cache for `model` under `setting`: the engine's pool (its formats, its sinks + window
+    policy) where it stores the setting; the lab's own caches for KVQuant (which needs its
+    `calibration`) and pre-RoPE keys."""
     if setting.is_kvquant:
         from kvlab.cache.kvquant import make_kvquant_cache
         if calibration is None:
             raise EvalError(f"{setting.kv_cache_dtype} needs a calibration: run `kvlab calibrate-kv MODEL --data FILE`")
-        cache = make_kvquant_cache(setting.kv_cache_dtype, calibration, 1, max_tokens, model.dtype,
-                                   model.layer_ropes())
-    elif setting.window is not None:
-        from kvlab.cache.window import make_window_cache
-        config = model.config
-        cache = make_window_cache(setting.kv_cache_dtype, config.n_layers, 1, config.kv_heads, config.head_size,
-                                  config.head_size, max_tokens, setting.window, setting.sinks,
-                                  compute_dtype=model.dtype, pre_rope=setting.pre_rope, rope=model.layer_ropes(),
-                                  layer_windows=config.windows)
-    else:
-        cache = model.new_cache(1, max_tokens, setting.kv_cache_dtype, pre_rope=setting.pre_rope)
-    return cache
+        return make_kvquant_cache(setting.kv_cache_dtype, calibration, 1, max_tokens, model.dtype, model.layer_ropes())
+    if setting.window is not None and setting.pre_rope:
+        raise EvalError("--kv-window keeps rotated keys; it does not combine with --pre-rope-keys")
+    return model.new_cache(1, max_tokens, setting.kv_cache_dtype, pre_rope=setting.pre_rope, kv_window=setting.window,
+                           sink_tokens=setting.sinks)

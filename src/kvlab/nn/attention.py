@@ -117,24 +117,18 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(batch, new, self.q_size))
 
     def _forward_step(self, x: torch.Tensor, rope: RoPE, pool, layer: int, step: StepBatch) -> torch.Tensor:
-        """The packed, paged path: one projection for every sequence's tokens, attention per sequence."""
+        """The packed, paged path: one projection for every sequence's tokens, attention per sequence
+        over what layer `layer`'s KV group holds of it (a sliding group masks what left its window)."""
         tokens = x.shape[1]
         heads = self.qkv(x[0]).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(0, 1)
         q_and_k = self.n_heads + self.n_kv_heads
         heads = self._normed(heads, 0)
         rotated = rope.at(heads[:q_and_k], step.positions)  # [Hq + Hkv, N, D], each token at its own position
         q, k, v = rotated[:self.n_heads], rotated[self.n_heads:], heads[q_and_k:]
-        pool.write(layer, k.transpose(0, 1), v.transpose(0, 1), step.slot_mapping)
+        pool.store(layer, k.transpose(0, 1), v.transpose(0, 1), step)
         outs, at = [], 0
-        for new, context, table in zip(step.query_lens, step.context_lens, step.block_tables):
-            if step.kv_window is not None:  # released blocks skipped, the policy's mask over what is held
-                keys, values, held = pool.read_held(layer, table, context)
-                mask = step.window_mask(new, context, held)
-                if self.window:
-                    mask &= held[None, :] > torch.arange(context - new, context)[:, None] - self.window
-            else:
-                keys, values = pool.read(layer, table, context)
-                mask = sliding_mask(new, context, self.window, x.device) if self.window else None
+        for s, new in enumerate(step.query_lens):
+            keys, values, mask = pool.attention_inputs(layer, step, s)
             outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]

@@ -24,8 +24,12 @@ CACHE_INT8 = 5  # uint8 codes with fp16 scale and zero per group (kvlab.cache.co
 CHUNK = 128  # tokens per attention work unit
 MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 
+MAX_LAYOUTS = 4  # distinct attention windows a model may have (full attention is one)
+ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
+
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
-             "CACHE_INT8": CACHE_INT8, "CHUNK": CHUNK, "MAX_GROUP": MAX_GROUP, "QK": 32}
+             "CACHE_INT8": CACHE_INT8, "CHUNK": CHUNK, "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
+             "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"]}
 
 
 class QMatrix(ctypes.Structure):
@@ -52,16 +56,19 @@ class KVPlane(ctypes.Structure):
 
 
 class LlamaLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("qkv", QStack), ("o", QMatrix),
+    """llama_decode.h's llama_layer: one layer's descriptor (norms, RoPE tables, window, KV group, matrices, cache)."""
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("post_attn_norm", _ptr), ("post_mlp_norm", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr),
+                ("window", _int), ("group", _int), ("qkv", QStack), ("o", QMatrix),
                 ("gate_up", QStack), ("down", QMatrix), ("k", KVPlane), ("v", KVPlane)]
 
 
 class LlamaModel(ctypes.Structure):
     _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
-                ("hidden", _int), ("vocab", _int), ("rope_len", _int), ("rope_interleaved", _int),
-                ("cache_dtype", _int), ("group_size", _int), ("eps", _float), ("rope_cos", _ptr),
-                ("rope_sin", _ptr), ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr),
-                ("lm_head", QMatrix)]
+                ("hidden", _int), ("vocab", _int), ("n_groups", _int), ("rope_len", _int),
+                ("rope_interleaved", _int), ("cache_dtype", _int), ("group_size", _int), ("activation", _int),
+                ("eps", _float), ("query_scale", _float), ("layers", ctypes.POINTER(LlamaLayer)),
+                ("final_norm", _ptr), ("lm_head", QMatrix)]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qacts": QActs, "qstack": QStack, "kv_plane": KVPlane,

@@ -136,8 +136,6 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.qmatrix_interleave.restype = None
     lib.exp_nonpositive.argtypes = [ptr, ptr, i32]
     lib.exp_nonpositive.restype = None
-    lib.llama_decode_step.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr]
-    lib.llama_decode_step.restype = i32
     lib.llama_paged_decode_step.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, ptr, ptr, ptr]
     lib.llama_paged_decode_step.restype = i32
     lib.llama_paged_step.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, ptr, ptr, i32, ptr, ptr]

@@ -52,8 +52,15 @@ class MLA(nn.Module):
         w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0) -> torch.Tensor:
-        """x [B,T,dim]; `cache` (a kvlab.cache.LatentCache) grows by T latent rows of rank + keys * rope."""
+    def forward(self, x: torch.Tensor, rope: RoPE, start: int = 0, cache=None, layer: int = 0,
+                step=None) -> torch.Tensor:
+        """x [B,T,dim]; `cache` (a kvlab.cache.LatentCache) grows by T latent rows of rank + keys * rope.
+
+        With `step` (a kvlab.cache.StepBatch), x [1, N, dim] is several sequences' new tokens packed
+        in one row and `cache` is an MLA KVPool, whose rows are the same latent rows.
+        """
+        if step is not None:
+            return self._forward_step(x, rope, cache, layer, step)
         batch, new, _ = x.shape
         q = self.wq(x).view(batch, new, self.n_heads, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
@@ -72,7 +79,29 @@ class MLA(nn.Module):
             y = self.naive(q_nope, q_rope, latent, k_rope)
         return self.o(y.transpose(1, 2).reshape(batch, new, self.n_heads * self.v_dim))
 
-    def naive(self, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
+    def _forward_step(self, x: torch.Tensor, rope: RoPE, pool, layer: int, step) -> torch.Tensor:
+        """The packed, paged path: one projection for every sequence's tokens, attention per sequence."""
+        tokens = x.shape[1]
+        q = self.wq(x[0]).view(tokens, self.n_heads, self.nope + self.rope_dim).transpose(0, 1)  # [H, N, d]
+        q_nope, q_rope = q.split((self.nope, self.rope_dim), dim=-1)
+        q_rope = rope.at(q_rope, step.positions)
+        latent, k_rope = self.wkv_a(x[0]).split((self.rank, self.rope_heads * self.rope_dim), dim=-1)
+        k_rope = rope.at(k_rope.view(tokens, self.rope_heads, self.rope_dim).transpose(0, 1), step.positions)
+        rows = torch.cat((self.kv_norm(latent), k_rope.transpose(0, 1).reshape(tokens, -1)), dim=-1)
+        pool.store(layer, rows[:, None], None, step)
+        outs, at = [], 0
+        for s, new in enumerate(step.query_lens):
+            held, _, mask = pool.attention_inputs(layer, step, s)  # [1, held, rank + keys * rope]
+            cached, cached_rope = held[0].split((self.rank, self.rope_heads * self.rope_dim), dim=-1)
+            cached_rope = cached_rope.view(-1, self.rope_heads, self.rope_dim).transpose(0, 1)[None]
+            attend_latent = self.absorbed if self.absorb else self.naive
+            outs.append(attend_latent(q_nope[None, :, at:at + new], q_rope[None, :, at:at + new], cached[None],
+                                      cached_rope, mask)[0])
+            at += new
+        y = torch.cat(outs, dim=1)  # [H, N, v_dim]
+        return self.o(y.transpose(0, 1).reshape(1, tokens, self.n_heads * self.v_dim))
+
+    def naive(self, q_nope, q_rope, latent, k_rope, mask=None) -> torch.Tensor:
         """Up-project the latent into per-head keys and values, then ordinary attention."""
         w_uk, w_uv = self.up_weights()
         k_nope = torch.einsum("btr,hdr->bhtd", latent, w_uk)
@@ -80,9 +109,9 @@ class MLA(nn.Module):
         k_rope = k_rope.repeat_interleave(self.n_heads // self.rope_heads, dim=1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
-        return attend(q, k, v, scale=self.scale)
+        return attend(q, k, v, scale=self.scale, mask=mask)
 
-    def absorbed(self, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
+    def absorbed(self, q_nope, q_rope, latent, k_rope, mask=None) -> torch.Tensor:
         """Attend in latent space: W_uk folded into the query, W_uv applied after."""
         w_uk, w_uv = self.up_weights()
         q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk)
@@ -92,5 +121,5 @@ class MLA(nn.Module):
         # The values are the latent, the keys' first `rank` channels: passing the keys as values and
         # dropping the RoPE channels after keeps q, k and v one width, which SDPA's fused CPU kernel
         # needs (with a narrower v it falls back to a math path that copies K/V per head: 4-5x slower).
-        out_latent = attend(q, k, k, scale=self.scale)[..., : self.rank]
+        out_latent = attend(q, k, k, scale=self.scale, mask=mask)[..., : self.rank]
         return torch.einsum("bhtr,hdr->bhtd", out_latent, w_uv)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvlab.cache.pooled_rows import PooledRows
 from kvlab.nn.attention import Attention
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.mla import MLA
@@ -127,8 +128,8 @@ class Decoder(nn.Module):
         speculative verification needs every drafted position). `num_layers` stops after that
         many blocks, then applies the final norm and LM head: the self-draft of speculative decoding.
         """
-        if step is not None and self.config.attention == "mla":
-            raise PlanError("MLA models do not run on the paged pool yet")
+        if isinstance(cache, PooledRows):  # the lab's batch of rows on a pool: the engine's own step
+            return self._rows_forward(tokens, cache, last_only, num_layers)
         start = cache.seq_len(0) if cache is not None and step is None else 0
         x = self.embed(tokens)
         if self.config.embed_scale != 1.0:
@@ -141,6 +142,15 @@ class Decoder(nn.Module):
             x = x[:, step.last_token_index()] if step is not None else x[:, -1:]
         return self.lm_head(self.norm(x))
 
+    def _rows_forward(self, tokens: torch.Tensor, rows: PooledRows, last_only: bool,
+                      num_layers: Optional[int]) -> torch.Tensor:
+        """tokens [B, T] fed to B rows of a pool as one step (every row T new tokens): logits [B, T or 1, V]."""
+        batch, new = tokens.shape
+        step = rows.step(new)
+        logits = self(tokens.reshape(1, batch * new), rows.pool, last_only=last_only, step=step, num_layers=num_layers)
+        rows.advance(new)
+        return logits.view(batch, 1 if last_only else new, -1)
+
     def rope_for(self, layer: int) -> RoPE:
         """The RoPE table layer `layer` rotates with."""
         if self.rope_local is not None and self.config.window_of(layer):
@@ -152,19 +162,31 @@ class Decoder(nn.Module):
         return [self.rope_for(layer).at for layer in range(self.config.n_layers)]
 
     def new_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
-                  group_size: Optional[int] = None, residual: Optional[int] = None,
-                  paged: bool = False, block_size: int = 16, pre_rope: bool = False):
-        """A kvlab.cache cache sized for this model, in the model's dtype unless told otherwise.
+                  group_size: Optional[int] = None, residual: Optional[int] = None, pre_rope: bool = False,
+                  kv_window: Optional[int] = None, sink_tokens: int = 0):
+        """The lab's cache for `batch` rows of `max_tokens` tokens: the engine's paged pool, one block per
+        row (kvlab.cache.PooledRows), so every command runs the formats, the step description and the
+        forward the engine serves. KVQuant's formats and pre-RoPE keys, which the pool does not
+        store, get the lab's own cache (`reference_cache`)."""
+        if pre_rope or kv_cache_dtype.startswith("kvquant"):
+            return self.reference_cache(batch, max_tokens, kv_cache_dtype, group_size, residual, pre_rope)
+        return PooledRows.for_model(self.config, batch, max_tokens, kv_cache_dtype, self.dtype, group_size, residual,
+                                    kv_window, sink_tokens)
+
+    def reference_cache(self, batch: int, max_tokens: int, kv_cache_dtype: str = "auto",
+                        group_size: Optional[int] = None, residual: Optional[int] = None, pre_rope: bool = False):
+        """The lab's own cache of a format (kvlab.cache: contiguous, quantised, KIVI, window, MLA latent):
+        written independently of the pool, it is what tests hold the pool to.
 
         A model with sliding layers gets a cache that drops what those layers no longer see
-        (kvlab.cache.window), when its format is stored per token and it is not paged; other
-        formats hold every token and the layers mask what is out of their window.
+        (kvlab.cache.window), when its format is stored per token; other formats hold every
+        token and the layers mask what is out of their window.
         """
         from kvlab import cache as kv
         from kvlab.plan.kv_formats import FLOAT, GROUP
 
         config = self.config
-        if any(config.windows) and not paged and not pre_rope and \
+        if any(config.windows) and not pre_rope and \
                 kv.kv_format(kv_cache_dtype, self.dtype, group_size, residual).scheme in (FLOAT, GROUP):
             from kvlab.cache.window import make_window_cache
             return make_window_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
@@ -176,5 +198,4 @@ class Decoder(nn.Module):
                                         compute_dtype=self.dtype)
         return kv.make_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
                              config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
-                             residual=residual, paged=paged, block_size=block_size, pre_rope=pre_rope,
-                             rope=self.layer_ropes())
+                             residual=residual, pre_rope=pre_rope, rope=self.layer_ropes())

@@ -39,7 +39,7 @@ from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_INT8, KVPlane
-from kvlab.nn.fused_decode import llama_struct, new_arena, why_not_model
+from kvlab.nn.fused_decode import embed_rows, llama_struct, new_arena, why_not_model
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
@@ -67,6 +67,12 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     config = model.config
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
+    if pool.is_latent or pool.kivi is not None:
+        return "the C step reads K/V heads stored per token (not MLA latents, not KIVI)"
+    if any(group.sinks for group in pool.groups):
+        return "the C step does not run the sinks + window policy (--kv-window); its steps run module by module"
+    if any(pool.group(layer).window != config.window_of(layer) for layer in range(config.n_layers)):
+        return "the pool's windows are not the model's"
     if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
             (config.n_layers, config.kv_heads, config.head_size, config.head_size):
         return "the pool was not built for this model's layers, KV heads and head dim"
@@ -116,8 +122,9 @@ class PagedDecodeStep:
                                     address(scales)))
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
+        layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
         self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, model.config.head_size),
-                                                  group_size, num_layers)
+                                                  group_size, num_layers, layer_groups)
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
@@ -131,36 +138,39 @@ class PagedDecodeStep:
             raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
         if batch.block_size != self.pool.block_size:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
-        return self.rows(ids.reshape(rows), batch.positions, batch.block_tables)
+        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables))
 
-    def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list[list[int]],
+    def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list,
               logit_rows: Optional[list[int]] = None) -> torch.Tensor:
         """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order,
         or only for the packed rows `logit_rows` (ascending) when given: [len(logit_rows), V].
 
-        Each token is a row of its own (see the module doc), so a prompt's chunk runs here too;
-        blocks must already cover every position.
+        `block_tables` is each sequence's table, or for a pool of several KV groups one list of
+        tables per group. Each token is a row of its own (see the module doc), so a prompt's
+        chunk runs here too; blocks must already cover every position.
         """
         lengths = torch.tensor([len(feed) for feed in feeds])
         ids = torch.tensor([t for feed in feeds for t in feed])
         first = torch.tensor(starts).repeat_interleave(lengths)
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
-        return self._run(ids, first + offsets, _padded(block_tables).repeat_interleave(lengths, dim=0), logit_rows)
+        grouped = block_tables if block_tables and isinstance(block_tables[0][0], list) else [block_tables]
+        return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows)
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
-        """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] -> logits [R, V]."""
-        return self._run(ids, positions, _padded(block_tables))
+        """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] (a pool of one
+        KV group) -> logits [R, V]."""
+        return self._run(ids, positions, _padded([block_tables]))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None) -> torch.Tensor:
         rows = int(ids.numel())
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()
-        x = self.model.embed(ids.reshape(rows)).float().contiguous()
+        x = embed_rows(self.model, ids.reshape(rows))
         picks = torch.tensor(logit_rows, dtype=torch.int32) if logit_rows is not None else None
         logits = torch.empty(rows if picks is None else len(picks), self.model.config.vocab_size)
         status = kernels().llama_paged_step(ctypes.byref(self._struct), rows, positions.data_ptr(), tables.data_ptr(),
-                                            tables.shape[1], self.pool.block_size, self.pool.num_blocks,
+                                            tables.shape[2], self.pool.block_size, self.pool.num_blocks,
                                             x.data_ptr(), address(picks), logits.shape[0], logits.data_ptr(),
                                             self._arena)
         if status:
@@ -168,11 +178,12 @@ class PagedDecodeStep:
         return logits
 
 
-def _padded(block_tables: list[list[int]]) -> torch.Tensor:
-    """Block tables as one int32 tensor [tables, longest], short ones padded with block 0 (never read:
-    the C step reads a row's entries up to its position only)."""
-    widest = max(len(table) for table in block_tables)
-    return torch.tensor([table + [0] * (widest - len(table)) for table in block_tables], dtype=torch.int32)
+def _padded(group_tables: list[list[list[int]]]) -> torch.Tensor:
+    """Each KV group's block tables as one int32 tensor [groups, tables, longest], short ones padded
+    with block 0 (never read: the C step reads a row's entries up to its position only)."""
+    widest = max(len(table) for tables in group_tables for table in tables)
+    return torch.tensor([[table + [0] * (widest - len(table)) for table in tables] for tables in group_tables],
+                        dtype=torch.int32)
 
 
 def paged_step_for(model: Decoder, pool, max_rows: int, num_layers: Optional[int] = None) -> Optional[PagedDecodeStep]:

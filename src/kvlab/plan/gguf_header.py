@@ -14,6 +14,8 @@ because llama.cpp runs Phi-3 with full attention (ggml-org/llama.cpp#13676).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,6 +28,13 @@ from kvlab.plan.spec import FULL, MLA, SLIDING, LayerAttention, ModelSpec
 _SWA_PERIOD = {"gemma2": 2, "gpt-oss": 2, "cohere2": 4, "olmo2": 4, "exaone4": 4, "gemma3": 6}
 _SWA_IGNORED = {"phi3"}
 _NOT_PARAMETERS = ("rope_freqs.", "rope_factors_")  # rotary tables stored as tensors
+
+
+def _widest(value) -> Optional[int]:
+    """`feed_forward_length`: one width, or one per layer (some architectures): the widest, or None."""
+    widths = value if isinstance(value, list) else [value]
+    widths = [w for w in widths if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return max(widths) if widths else None
 
 
 def load_gguf_header(path: Union[str, os.PathLike]) -> ModelSpec:
@@ -53,6 +62,9 @@ def spec_from_gguf_header(header: GGUFHeader) -> ModelSpec:
         tied_embeddings="output.weight" not in tensors,
         max_context=meta.optional_size(f"{arch}.context_length"),
         weight_bytes=header.weight_bytes,
+        weight_format="GGUF tensors: " + ", ".join(f"{count} {kind}" for kind, count in Counter(
+            tensor.type_name for tensor in tensors.values()).most_common()),
+        intermediate_size=_widest(meta.get(f"{arch}.feed_forward_length")),
         source="gguf",
         notes=tuple(notes),
     )

@@ -21,6 +21,7 @@ from kvlab.plan.hf_families import Family
 from kvlab.plan.hf_mixed import MIXED_FAMILIES
 from kvlab.plan.hf_fields import Fields
 from kvlab.plan.hf_shape import Shape, count_params
+from kvlab.plan.quantized import stored_weights
 from kvlab.plan.spec import ModelSpec
 
 CONFIG_NAME = "config.json"
@@ -58,6 +59,7 @@ def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     """Turn a parsed config.json into a spec: per-layer attention, parameter counts, context."""
     shape, notes = hf_shape(config)
     total, active = count_params(shape)
+    stored = stored_weights(config, shape, _language_model(config)[0].get("model_type"), total)
     return ModelSpec(
         name=name,
         layers=shape.attention_layers(),
@@ -69,6 +71,12 @@ def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
         max_context=shape.max_context,
         source="config.json",
         notes=notes + shape.notes,
+        intermediate_size=max([shape.intermediate] + [m.intermediate for m in shape.mixers]),
+        experts_per_token=shape.moe.top_k if shape.moe else None,
+        expert_intermediate_size=shape.moe.expert_intermediate if shape.moe else None,
+        weight_bytes=stored.bytes if stored else None,
+        weight_format=stored.label if stored else None,
+        checkpoint_bytes=stored.checkpoint_bytes if stored and stored.checkpoint_bytes != stored.bytes else None,
     )
 
 

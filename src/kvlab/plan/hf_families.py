@@ -182,7 +182,8 @@ def _deepseek(f: Fields) -> Shape:
                   shared_intermediate=expert * f.count("n_shared_experts"),
                   dense_layers=frozenset(range(_dense_prefix(f))))
     mtp = f.config.get("num_nextn_predict_layers")
-    notes = (f"{mtp} multi-token-prediction layer(s) not counted (transformers does not load them)",) if mtp else ()
+    notes = (f"{mtp} multi-token-prediction layer(s) not counted as loaded (transformers and vLLM without MTP "
+             "speculation skip them; a quantised checkpoint's checkpoint_bytes includes them)",) if mtp else ()
     bias = f.flag("attention_bias")
     return Shape(**base_fields(f, head_dim=latent.qk_nope_head_dim + latent.qk_rope_head_dim), qkv_bias=bias,
                  o_bias=bias, moe=moe, latent=latent, notes=notes)

@@ -67,8 +67,11 @@ _GROUP_BITS = {"int8": 8, "int4": 4, "int2": 2}
 _KIVI_BITS = {"kivi2": 2, "kivi4": 4}
 _KVQUANT_BITS = {"kvquant3": 3, "kvquant4": 4}
 MODEL_DTYPES = ("fp32", "fp16", "bf16")
+# The one table of cache format names: what `--kv-cache-dtype` accepts everywhere, and which of them
+# the engine's paged pool serves (kvlab.cache.pool; KVQuant's calibrated codebooks run in the lab only).
 KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "kivi2", "kivi4",
                    "kvquant3", "kvquant4")
+POOL_KV_CACHE_DTYPES = tuple(name for name in KV_CACHE_DTYPES if not name.startswith("kvquant"))
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ from typing import Any, Optional
 from kvlab.plan import capacity
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
+from kvlab.plan.kv_formats import model_dtype_bytes
 from kvlab.plan.roofline import MEMORY, decode_step, prefill_seconds
 from kvlab.plan.spec import CHUNKED, SLIDING, ModelSpec
 from kvlab.plan.speculative import expected_speedup, expected_tokens_per_step, shared_pool_blocks, with_draft
-from kvlab.plan.vllm_blocks import DEVICES as VLLM_DEVICES
-from kvlab.plan.vllm_blocks import vllm_capacity
+from kvlab.plan.vllm_versions import DEFAULT_VERSION, release
+
+VLLM_DEVICES = ("cuda", "cpu")  # kvlab.plan.vllm_blocks.DEVICES; vLLM's modules load only for --engine vllm
 from kvlab.plan.weights import active_weight_bytes, weight_bytes
 
 
@@ -42,7 +44,9 @@ class PlanRequest:
     block_size: Optional[int] = None  # vLLM's tokens per block: 16 on cuda, 128 on its CPU backend
     vllm_device: str = "cuda"
     max_num_batched_tokens: Optional[int] = None  # vllm serve's default for the card when None
+    max_num_seqs: Optional[int] = None  # vllm serve's default for the card when None (sizes the sampler's peak)
     vllm_hybrid: bool = True  # False: vLLM's --disable-hybrid-kv-cache-manager
+    vllm_version: str = DEFAULT_VERSION
     draft: Optional[ModelSpec] = None  # speculative decoding's draft model (its weights and KV count too)
     acceptance_rate: Optional[float] = None
     num_speculative_tokens: int = 3
@@ -50,9 +54,9 @@ class PlanRequest:
     warnings: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("context", "batch", "tensor_parallel", "block_size", "max_num_batched_tokens"):
+        for name in ("context", "batch", "tensor_parallel", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
-            if value is None and name in ("block_size", "max_num_batched_tokens"):
+            if value is None and name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
                 continue
             if not isinstance(value, int) or value <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -64,6 +68,7 @@ class PlanRequest:
             raise PlanError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if self.engine not in ("kvlab", "vllm"):
             raise PlanError(f"--engine must be kvlab or vllm, got {self.engine!r}")
+        release(self.vllm_version)
         if self.vllm_device not in VLLM_DEVICES:
             raise PlanError(f"--vllm-device must be one of {', '.join(VLLM_DEVICES)}, got {self.vllm_device!r}")
         if not self.verify_cost > 0:
@@ -71,17 +76,21 @@ class PlanRequest:
         if self.verify_cost != 1.0 and self.acceptance_rate is None:
             raise PlanError("--verify-cost needs --draft MODEL and --acceptance-rate A (it only enters the speed-up)")
 
-    def batched_tokens(self) -> int:
-        """vllm serve's max_num_batched_tokens: 8192 on cards of 70 GiB or more other than A100, else 2048.
+    def batch_defaults(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs): the flags, else `vllm serve`'s defaults for the card.
 
-        (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server; it sets how many tokens a
-        sliding layer may need at peak, so only the logged concurrency of windowed models uses it.)
+        (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server, by the memory CUDA reports:
+        16,384 / 1,024 from 160 GiB (0.32), 8,192 / 1,024 from 70 GiB but A100, else 2,048 / 256;
+        the CPU backend 2,048 / 128. The tokens set how much a windowed layer reserves and the
+        profile run's activation peak; the sequences, the sampler's.)
         """
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
         card = self.device
-        large = card is not None and card.memory_bytes >= 70 * 2**30 and "a100" not in card.name.lower()
-        return 8192 if self.vllm_device == "cuda" and large else 2048
+        total = card.vllm_total_bytes if card is not None else 0
+        tokens, seqs = release(self.vllm_version).batch_defaults(self.vllm_device, total, card.name if card else "")
+        return self.max_num_batched_tokens or tokens, self.max_num_seqs or seqs
+
+    def batched_tokens(self) -> int:
+        return self.batch_defaults()[0]
 
     def formats(self) -> capacity.CacheFormats:
         return capacity.cache_formats(self.kv_cache_dtype, self.k_dtype, self.v_dtype, self.model_dtype,
@@ -95,9 +104,13 @@ def describe_model(spec: ModelSpec) -> dict[str, Any]:
         "name": spec.name, "source": spec.source, "layers": spec.num_layers, "attention_kinds": kinds,
         "q_heads": first.q_heads, "kv_heads": first.kv_heads, "head_dim": first.k_head_dim,
         "v_head_dim": first.v_head_dim, "params_total": spec.params_total, "params_active": spec.active_params,
-        "params_estimated": spec.params_estimated, "max_context": spec.max_context,
+        "params_estimated": spec.params_estimated, "max_position_embeddings": spec.max_context,
         "tied_embeddings": spec.tied_embeddings, "notes": list(spec.notes),
     }
+    if spec.weight_format:
+        described["weight_format"] = spec.weight_format
+    if spec.checkpoint_bytes:
+        described["checkpoint_bytes"] = spec.checkpoint_bytes
     windows = sorted({layer.window for layer in spec.layers if layer.kind == SLIDING})
     if windows:
         described["windows"] = windows
@@ -172,23 +185,56 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     fixed = capacity.kv_fixed_bytes(spec, formats, tp)
     if fixed:  # KVQuant's codebooks and key channel statistics: once per model, out of the pool
         result["kv_fixed_bytes"] = fixed
-    budget = _cache_budget(request, weights_per_rank, result)
+    budget = _cache_budget(spec, request, weights_per_rank, result)
     if budget is None:
         return result
     result["cache_budget_bytes"] = budget
     usable = max(budget - fixed, 0)
-    result["kv_cache_tokens"] = capacity.kv_cache_tokens(spec, usable, formats, tp)
-    result["concurrency"] = usable / per_sequence if per_sequence else None
-    result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
-    result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
     if request.engine == "vllm":
-        result["vllm"] = vllm_capacity(spec, usable, request.context, formats, request.block_size, tp,
-                                       request.vllm_device, request.batched_tokens(), hybrid=request.vllm_hybrid)
-    if request.device is not None:
+        _add_vllm(spec, request, formats, usable, result)
+    else:
+        result["kv_cache_tokens"] = capacity.kv_cache_tokens(spec, usable, formats, tp)
+        result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
+        result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
+    result["fits"] = budget > 0 and result["seats"] >= request.batch
+    if not result["fits"]:
+        result["does_not_fit"] = _what_fits(request, budget, result)
+    if request.device is not None and result["fits"]:  # no speed for what cannot run
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
+    elif request.device is not None:
+        result["binding_limit"] = MEMORY
     if request.draft is not None:
         _add_speculation(target, request, formats, usable, result)
     return result
+
+
+def _add_vllm(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, usable: int,
+              result: dict[str, Any]) -> None:
+    """vLLM's block arithmetic: `seats` and `max_context` are then vLLM's (whole blocks, windows as it reserves them)."""
+    from kvlab.plan.vllm_blocks import vllm_capacity, vllm_longest_context
+    tokens, _ = request.batch_defaults()
+    args = (spec, usable, request.context, formats, request.block_size, request.tensor_parallel,
+            request.vllm_device, tokens)
+    vllm = vllm_capacity(*args, hybrid=request.vllm_hybrid, version=request.vllm_version)
+    result["vllm"] = vllm
+    result["seats"] = int(vllm["max_concurrency"])
+    longest = vllm_longest_context(spec, usable, request.batch, formats, request.block_size, request.tensor_parallel,
+                                   request.vllm_device, tokens, request.vllm_hybrid, request.vllm_version)
+    if spec.max_context is not None and (longest is None or longest > spec.max_context):
+        longest = spec.max_context  # vLLM refuses a --max-model-len beyond the model's positions
+        result["max_context_limited_by"] = "max_position_embeddings"
+    result["max_context"] = longest
+
+
+def _what_fits(request: PlanRequest, budget: int, result: dict[str, Any]) -> str:
+    """The sentence a plan prints instead of speeds when the batch does not fit: what does."""
+    if budget <= 0:
+        return (f"the weights leave no cache budget ({budget / 2**30:.2f} GiB): use a larger card, more "
+                "--tensor-parallel-size or a narrower --weight-dtype (kvlab plan MODEL --gpu A,B,C compares them)")
+    longest = result["max_context"]
+    context = "any context" if longest is None else f"{longest:,} tokens"
+    return (f"{request.batch} sequences of {request.context:,} tokens do not fit: at most {result['seats']:,} "
+            f"at {request.context:,} tokens, or {context} each at batch {request.batch}")
 
 
 def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, budget: int,
@@ -219,7 +265,8 @@ def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.
     result["speculative"] = info
 
 
-def _cache_budget(request: PlanRequest, weights_per_rank: Optional[int], result: dict[str, Any]) -> Optional[int]:
+def _cache_budget(spec: ModelSpec, request: PlanRequest, weights_per_rank: Optional[int],
+                  result: dict[str, Any]) -> Optional[int]:
     if request.kv_cache_memory is not None:
         result["inputs"]["kv_cache_memory"] = request.kv_cache_memory
         return request.kv_cache_memory
@@ -233,9 +280,18 @@ def _cache_budget(request: PlanRequest, weights_per_rank: Optional[int], result:
         "bf16_tflops": card.bf16_tflops, "fp8_tflops": card.fp8_tflops, "source": card.source,
         "gpu_memory_utilization": request.gpu_memory_utilization,
     }
-    budget = int(card.memory_bytes * request.gpu_memory_utilization) - weights_per_rank
+    if request.engine == "vllm" and request.vllm_device == "cuda":
+        from kvlab.plan.vllm_memory import startup_budget
+        tokens, seqs = request.batch_defaults()
+        table = startup_budget(spec, card, weights_per_rank, release(request.vllm_version),
+                               request.gpu_memory_utilization, tokens, seqs, request.tensor_parallel,
+                               model_dtype_bytes(request.model_dtype))
+        result["vllm_startup"] = table
+        budget = table["available_bytes"]
+    else:
+        budget = int(card.memory_bytes * request.gpu_memory_utilization) - weights_per_rank
     if budget <= 0:
-        request.warnings.append(f"the weights ({weights_per_rank:,} B per rank) do not fit in "
+        request.warnings.append(f"the weights ({weights_per_rank:,} B per rank) leave no KV cache in "
                                 f"{request.gpu_memory_utilization:.0%} of {card.name}'s memory")
     return budget
 
@@ -256,4 +312,4 @@ def _add_speed(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheFor
     result["prefill_tokens"] = prompt
     result["prefill_ms"] = prefill_seconds(spec, prompt, tflops, tp) * 1e3
     result["tflops_used"] = tflops
-    result["binding_limit"] = MEMORY if result["seats"] < request.batch else step.bound
+    result["binding_limit"] = step.bound

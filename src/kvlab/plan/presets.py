@@ -6,7 +6,10 @@ Shapes come from each model's published config.json; parameter counts from its m
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
+
 from kvlab.plan.errors import PlanError
+from kvlab.plan.preset_configs import CONFIG_PRESETS
 from kvlab.plan.spec import FULL, MLA, SLIDING, LayerAttention, ModelSpec, estimate_dense_params, uniform_layers
 
 
@@ -70,11 +73,14 @@ def preset(name: str) -> ModelSpec:
     key = name.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
-    close = difflib.get_close_matches(key, PRESETS, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; known presets: {', '.join(PRESETS)}"
+    if key in CONFIG_PRESETS:  # checkpoints that ship quantised: read from their published config.json
+        from kvlab.plan.hf_config import spec_from_hf_config
+        return replace(spec_from_hf_config(CONFIG_PRESETS[key], key), source="preset (published config.json)")
+    close = difflib.get_close_matches(key, preset_names(), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known presets: {', '.join(preset_names())}"
     raise PlanError(f"unknown model {name!r}{hint}")
 
 
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return list(PRESETS) + list(CONFIG_PRESETS)
 

@@ -99,8 +99,13 @@ class ModelSpec:
     vocab_size: Optional[int] = None
     tied_embeddings: bool = False
     max_context: Optional[int] = None
-    weight_bytes: Optional[int] = None  # known exactly (a GGUF's real tensor bytes)
+    weight_bytes: Optional[int] = None  # known exactly (a GGUF's real tensor bytes, a quantised config's tensors)
+    weight_format: Optional[str] = None  # how those bytes are stored ("mxfp4 ...", "GGUF Q4_K ..."), when known
+    checkpoint_bytes: Optional[int] = None  # what the checkpoint ships, when more than the engine loads (MTP layers)
     params_estimated: bool = False
+    intermediate_size: Optional[int] = None  # the widest dense MLP (vLLM's profiled activation peak grows with it)
+    experts_per_token: Optional[int] = None  # MoE: routed experts per token ...
+    expert_intermediate_size: Optional[int] = None  # ... and each one's width
     source: str = "explicit"
     notes: tuple[str, ...] = field(default_factory=tuple)
 

@@ -1,8 +1,11 @@
 """Weight bytes for a parameter count at a chosen precision.
 
 Integer formats carry one fp16 scale per group of `group_size` weights (GPTQ/AWQ style), so
-int4 at group 128 costs 4.125 bits per weight, not 4. A GGUF file's real tensor bytes beat any
-estimate and are used when known.
+int4 at group 128 costs 4.125 bits per weight, not 4. The microscaling 4-bit floats carry their
+own fixed groups: MXFP4 one E8M0 byte per 32 values (4.25 bits), NVFP4 one fp8 byte per 16
+(4.5 bits). A chosen `--weight-dtype` applies to every parameter; "auto" is the checkpoint as
+it ships: a GGUF file's real tensor bytes, or a config.json's `quantization_config` counted
+tensor by tensor (kvlab.plan.quantized), else bf16.
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from typing import Optional
 from kvlab.plan.errors import PlanError
 from kvlab.plan.spec import ModelSpec
 
-WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8", "int4")
+WEIGHT_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8", "int8", "int4", "mxfp4", "nvfp4")
 DEFAULT_WEIGHT_GROUP = 128
-_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4}
+_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "int8": 8, "int4": 4, "mxfp4": 4, "nvfp4": 4}
 _SCALE_BITS = 16
+_MICROSCALED = {"mxfp4": 32, "nvfp4": 16}  # values per one-byte scale
 
 
 def weight_bytes(spec: ModelSpec, dtype: str = "auto", group_size: int = DEFAULT_WEIGHT_GROUP) -> Optional[int]:
@@ -34,6 +38,8 @@ def weight_bytes(spec: ModelSpec, dtype: str = "auto", group_size: int = DEFAULT
     bits = spec.params_total * _BITS[key]
     if key in ("int8", "int4"):
         bits += -(-spec.params_total // group_size) * _SCALE_BITS
+    elif key in _MICROSCALED:
+        bits += -(-spec.params_total // _MICROSCALED[key]) * 8
     return -(-bits // 8)
 
 

@@ -79,32 +79,93 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
     params = model.get("params_total")
     label = "" if params is None else f" ({_params(params)} params{', estimated' if model['params_estimated'] else ''})"
     table.add_row(f"weights{label}", _size(result["weight_bytes"]))
+    if model.get("weight_format"):
+        table.add_row("weights as shipped", model["weight_format"])
+    if model.get("checkpoint_bytes"):
+        table.add_row("checkpoint (MTP layers too)", _size(model["checkpoint_bytes"]))
     if "cache_budget_bytes" in result:
-        table.add_row("cache budget", _size(result["cache_budget_bytes"]))
-        table.add_row("tokens that fit (kv_cache_tokens)", _count(result["kv_cache_tokens"]))
-        table.add_row(f"seats @ {inputs['context']:,} tokens", _count(result["seats"]))
-        table.add_row(f"longest context @ batch {inputs['batch']}", _count(result["max_context"]))
+        vllm_mode = "vllm" in result
+        table.add_row("cache budget" + (" (vLLM's available KV cache)" if "vllm_startup" in result else ""),
+                      _size(result["cache_budget_bytes"]))
+        if "kv_cache_tokens" in result:
+            table.add_row("tokens that fit (kv_cache_tokens)", _count(result["kv_cache_tokens"]))
+        how = " (vLLM blocks)" if vllm_mode else ""
+        table.add_row(f"seats @ {inputs['context']:,} tokens{how}", _count(result["seats"]))
+        limited = " (the model's limit)" if result.get("max_context_limited_by") else ""
+        table.add_row(f"longest context @ batch {inputs['batch']}{how}", _count(result["max_context"]) + limited)
     if "decode_ms_per_token" in result:
         table.add_row(f"decode floor @ batch {inputs['batch']}",
                       f"{result['decode_ms_per_token']:.2f} ms/token, {result['decode_tokens_per_s']:,.0f} tokens/s "
                       f"({result['decode_bound']} bound)")
         table.add_row(f"prefill {result['prefill_tokens']:,} tokens", f"{result['prefill_ms']:,.1f} ms")
+    if "binding_limit" in result:
         table.add_row("binding limit", result["binding_limit"])
     console.print(table)
+    if "does_not_fit" in result:
+        console.print(f"does not fit: {result['does_not_fit']}; no decode or prefill figures")
     if "hardware" in result:
         hw = result["hardware"]
         console.print(f"card: {hw['name']}, {decimal(hw['memory_bytes'])} at {hw['gpu_memory_utilization']:.0%}, "
                       f"{hw['bandwidth_gbs']:,} GB/s, {hw['bf16_tflops']} bf16 TFLOP/s; source: {hw['source']}")
     for note in model["notes"]:
         console.print(f"[dim]note: {note}[/dim]")
+    if "vllm_startup" in result:
+        render_startup(result["vllm_startup"], console)
     if "vllm" in result:
-        vllm = result["vllm"]
-        for line in vllm["log_lines"]:
-            console.print(f"vLLM would log: {line}")
-        fit = vllm["requests_that_fit"]
-        freed = ", blocks outside windows freed" if any(group["window"] for group in vllm["kv_cache_groups"]) else ""
-        console.print(f"vLLM per request: {vllm['request_blocks']:,} blocks ({binary(vllm['request_bytes'])}) at "
-                      f"{vllm['request_context']:,} tokens{freed}; {fit if fit is not None else '-'} such requests fit")
+        render_vllm(result["vllm"], console)
+
+
+def render_startup(table_data: dict[str, Any], console: Console) -> None:
+    """vLLM's start-up memory as a budget: total, requested, each subtracted term, what is left for the cache."""
+    table = Table(title=f"vLLM {table_data['vllm_version']} start-up memory on {table_data['device']}, one rank "
+                        f"(max_num_batched_tokens {table_data['max_num_batched_tokens']:,}, "
+                        f"max_num_seqs {table_data['max_num_seqs']:,})", header_style="bold")
+    for column in ("term", "GiB", "kind", "how"):
+        table.add_column(column, justify="right" if column == "GiB" else "left")
+    table.add_row("total CUDA reports", f"{table_data['total_bytes'] / 2**30:,.2f}", "", table_data["total_source"])
+    table.add_row(f"x gpu_memory_utilization {table_data['gpu_memory_utilization']:g}",
+                  f"{table_data['requested_bytes'] / 2**30:,.2f}", "", "what vLLM may use")
+    for term in table_data["terms"]:
+        table.add_row(f"- {term['term']}", f"{term['bytes'] / 2**30:,.2f}", term["kind"], term["how"])
+    table.add_row("= available KV cache memory", f"{table_data['available_bytes'] / 2**30:,.2f}", "", "")
+    console.print(table)
+
+
+def render_vllm(vllm: dict[str, Any], console: Console) -> None:
+    """The lines vLLM would log, how it gets there, and what one request really holds."""
+    for line in vllm["log_lines"]:
+        console.print(f"vLLM {vllm['vllm_version']} would log: {line}")
+    for line in vllm["decomposition"]:
+        console.print(f"  {line}")
+    fit = vllm["requests_that_fit"]
+    freed = ", blocks outside windows freed" if any(group["window"] for group in vllm["kv_cache_groups"]) else ""
+    console.print(f"vLLM per request: {vllm['request_blocks']:,} blocks ({binary(vllm['request_bytes'])}) at "
+                  f"{vllm['request_context']:,} tokens{freed}; {fit if fit is not None else '-'} such requests fit")
+
+
+def render_cards(result: dict[str, Any], console: Console) -> None:
+    """The inverse question over several cards: each card's smallest serving TP, and the cheapest overall."""
+    inputs = result["inputs"]
+    table = Table(title=f"{result['model']} @ {inputs['context']:,} tokens, batch {inputs['batch']} "
+                        f"({inputs['engine']} engine)", header_style="bold")
+    for column in ("card", "TP", "weights/rank", "KV budget/rank", f"seats @ {inputs['context']:,}",
+                   f"longest ctx @ {inputs['batch']}", "serves", "decode tok/s"):
+        table.add_column(column, justify="left" if column == "card" else "right")
+    for row in result["cards"]:
+        budget = row.get("cache_budget_bytes")
+        table.add_row(row["card"], str(row["tensor_parallel_size"]), binary(row["weight_bytes_per_rank"]),
+                      binary(budget) if budget is not None and budget > 0 else "none",
+                      _count(row.get("seats")), _count(row.get("max_context")), "yes" if row.get("fits") else "no",
+                      f"{row['decode_tokens_per_s']:,.0f}" if "decode_tokens_per_s" in row else "-")
+    console.print(table)
+    best = result["smallest"]
+    if best is None:
+        console.print(f"no card serves {inputs['batch']} x {inputs['context']:,} tokens at tensor-parallel sizes "
+                      f"{', '.join(map(str, inputs['tensor_parallel_sizes']))}")
+    else:
+        console.print(f"smallest that serves {inputs['batch']} x {inputs['context']:,} tokens: {best['card']} x "
+                      f"{best['tensor_parallel_size']} ({decimal(best['memory_bytes'] * best['tensor_parallel_size'])} "
+                      "in all)")
 
 
 def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) -> None:
@@ -127,6 +188,6 @@ def render_comparison(rows: list[dict[str, Any]], console: Console, title: str) 
         if has_seats:
             cells += [_count(row["seats"]), _count(row["max_context"])]
         if has_speed:
-            cells.append(f"{row['decode_tokens_per_s']:,.0f}")
+            cells.append(f"{row['decode_tokens_per_s']:,.0f}" if "decode_tokens_per_s" in row else "does not fit")
         table.add_row(*cells)
     console.print(table)

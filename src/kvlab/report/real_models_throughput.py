@@ -7,9 +7,9 @@ says which). Each setting's figure is one `kvlab.bench.throughput.run_engine` ru
 same random prompts, after a warm-up on a prompt of its own, kept in engine_throughput.json
 with the run's provenance; a setting already there is not measured again.
 
-Settings the engine's paged pool does not serve (KIVI, KVQuant, pre-RoPE keys) and the
-in-memory KV-head and MLA conversions (the engine loads the GGUF blocks, which are not
-converted) get no figure.
+Settings the engine's paged pool does not serve (KVQuant, pre-RoPE keys) and the in-memory
+KV-head and MLA conversions (the engine loads the GGUF blocks, which are not converted) get no
+figure.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FILE = "engine_throughput.json"
 
 def served(setting: KVSetting) -> bool:
     """Whether the engine serves this setting on the unconverted model."""
-    return setting.in_paged_pool and setting.kv_heads is None
+    return setting.in_paged_pool and setting.kv_heads is None and setting.mla_rank is None
 
 
 def load(out: Path) -> dict:

@@ -19,6 +19,7 @@ from typing import Optional
 
 from kvlab.bench.vllm_interop import COMPARED
 from kvlab.report.serving_cells import provenance_text, run_of
+from kvlab.report.serving_fields import lm_eval_lines, plain_lines, structured_lines
 from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
 
 
@@ -262,6 +263,9 @@ def render(folder: Path) -> str:
                              "continuation repeats them; reports/speculative has acceptance rates on chat and "
                              "predictable text.", "spec")
     lines += interop_lines(_load(folder, "vllm_interop.json"))
+    lines += lm_eval_lines(_load(folder, "lm_eval.json"))
+    lines += structured_lines(_load(folder, "structured.json"))
+    lines += plain_lines(_load(folder, "compare_plain.json"))
     lines += reliability_lines(_load(folder, "reliability.json"))
     lines += decode_lines(_load(folder, "decode_sweep.json"))
     lines += ["## For users who scale out", "",

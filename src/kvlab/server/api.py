@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: completions and chat completions (streamed or not), models, health, metrics.
+"""The OpenAI-compatible routes: completions and chat completions (streamed or not), models, health,
+metrics, and vLLM's /tokenize, /detokenize, /tokenizer_info and /reset_prefix_cache.
 
 Errors come in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a body
 that is malformed, mistyped or asks for something impossible (kvlab.errors.KvlabError, mapped
@@ -9,14 +10,12 @@ route, 503 when too many requests wait,
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
-from typing import AsyncIterator, Optional
+from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -26,25 +25,24 @@ from kvlab.errors import KvlabError
 from kvlab.server.async_engine import AsyncEngine
 from kvlab.server.metrics import Metrics
 from kvlab.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvlab.server.responder import Ask, Responder, json_error as error
+from kvlab.server.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, tokenizer_info
 
 
-def error_body(message: str, kind: str, code: int, param: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error(message: str, kind: str, code: int, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, code, param), status_code=code)
-
-
-def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None,
+               metric_names: str = "both", tokenizer_info_endpoint: bool = False) -> FastAPI:
     app = FastAPI(title="kvlab", version=__version__)
     engine = async_engine.engine
-    metrics = Metrics(engine, served_model_name)
+    metrics = Metrics(engine, served_model_name, metric_names)
     app.state.async_engine, app.state.metrics = async_engine, metrics
+    responder = Responder(async_engine, served_model_name, error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, RequestError):  # raised while the body was parsed (a removed guided_* field)
+            return error(str(cause), "BadRequestError", 400, cause.param)
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return error(f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}", "BadRequestError", 400,
                      where)
@@ -100,110 +98,77 @@ def create_app(async_engine: AsyncEngine, served_model_name: str, api_key: Optio
     async def completions(body: CompletionRequest, request: Request):
         if (missing := check_model(body.model)) is not None:
             return missing
-        params = body.sampling(body.max_tokens, body.logprobs)
-        return await respond(request, body, body.single_prompt(), params, chat=False)
+        params = body.params()
+        prompts = body.prompts()
+        tokenizer = engine.tokenizer
+        if not body.add_special_tokens and tokenizer is not None:
+            prompts = [tokenizer.encode(p, add_bos=False) if isinstance(p, str) else p for p in prompts]
+        texts = []
+        if body.echo:  # the prompt as the client sent it; token ids as their text, as vLLM echoes them
+            texts = [p if isinstance(p, str) else (tokenizer.decode(p) if tokenizer is not None else "")
+                     for p in body.prompts()]
+        ask = Ask(chat=False, stream=body.stream, include_usage=bool(body.stream_options and
+                                                                     body.stream_options.include_usage),
+                  echo=body.echo, echo_only=body.echo_only, logprobs=body.logprobs is not None,
+                  prompt_logprobs=body.prompt_logprobs is not None, prompt_texts=texts)
+        return await responder.respond(request, ask, prompts, params)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if (missing := check_model(body.model)) is not None:
             return missing
+        tools = body.tool_structure()
+        prompt = chat_prompt(body.conversation())
+        top = body.top_logprobs if body.logprobs else None
+        params = body.sampling(body.max_completion_tokens or body.max_tokens, (top or 0) if body.logprobs else None,
+                               structured=tools)
+        ask = Ask(chat=True, stream=body.stream, include_usage=bool(body.stream_options and
+                                                                    body.stream_options.include_usage),
+                  logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs is not None,
+                  tool_body=body if tools is not None else None)
+        return await responder.respond(request, ask, [prompt], params)
+
+    def chat_prompt(conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tokenizer = engine.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
-        text = tokenizer.render_chat(body.conversation())
-        prompt = tokenizer.encode(text, add_bos=False if tokenizer.bos_id is None else None)
-        top = body.top_logprobs if body.logprobs else None
-        params = body.sampling(body.max_completion_tokens or body.max_tokens, (top or 0) if body.logprobs else None)
-        return await respond(request, body, prompt, params, chat=True)
+        text = tokenizer.render_chat(conversation, add_generation_prompt)
+        return tokenizer.encode(text, add_bos=False if tokenizer.bos_id is None else None)
 
-    async def respond(request: Request, body, prompt, params, chat: bool):
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        seq, queue = async_engine.submit(prompt, params, request_id)
-        created = int(time.time())
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(request, request_id, seq, queue, created, chat, usage),
-                                     media_type="text/event-stream")
-        text, tokens, logprobs, reason, failure = [], 0, [], None, None
-        try:
-            while True:
-                delta = await queue.get()
-                text.append(delta.text)
-                tokens += len(delta.token_ids)
-                logprobs += delta.logprobs
-                if delta.finished:
-                    reason, failure = delta.finish_reason, delta.error
-                    break
-        finally:
-            if reason is None:  # the client went away while we waited
-                async_engine.abort(request_id)
-        if failure:
-            return error(f"the model failed on this request: {failure}", "InternalServerError", 500)
-        choice = {"index": 0, "finish_reason": reason, "logprobs": _logprobs(logprobs, engine, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+    @app.post("/tokenize")
+    async def tokenize(body: Union[TokenizeCompletionRequest, TokenizeChatRequest]):
+        """vLLM's /tokenize: a prompt (or chat messages, through the template) to token ids."""
+        if body.model is not None and (missing := check_model(body.model)) is not None:
+            return missing
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer", "prompt")
+        if isinstance(body, TokenizeChatRequest):
+            ids = chat_prompt(body.conversation(), body.add_generation_prompt)
         else:
-            choice["text"] = "".join(text)
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": served_model_name, "choices": [choice],
-                "usage": _usage(len(seq.prompt_ids), tokens)}
+            ids = tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.token(t) for t in ids]
+        return out
 
-    async def stream(request: Request, request_id: str, seq, queue, created: int, chat: bool,
-                     usage: bool) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        tokens, done = 0, False
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None and (missing := check_model(body.model)) is not None:
+            return missing
+        vocab = engine.model.config.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", "tokens")
+        if engine.tokenizer is None:
+            raise RequestError("this model has no tokenizer", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
-        def chunk(choices: list, **extra) -> str:
-            return "data: " + json.dumps({"id": request_id, "object": kind, "created": created,
-                                          "model": served_model_name, "choices": choices, **extra}) + "\n\n"
-        # A chat stream's role-only chunk goes out with the first result, after the prefill, as vLLM's server
-        # sends it: a client timing TTFT from the first chunk (vllm bench serve's openai-chat) then reads it true.
-        opening = chat
-        try:
-            while True:
-                delta = await queue.get()
-                if opening:
-                    opening = False
-                    yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                tokens += len(delta.token_ids)
-                if delta.error:
-                    yield "data: " + json.dumps(error_body(f"the model failed on this request: {delta.error}",
-                                                           "InternalServerError", 500)) + "\n\n"
-                    done = True
-                    break
-                if delta.text or delta.finished:
-                    content = {"delta": {"content": delta.text}} if chat else {"text": delta.text}
-                    yield chunk([{"index": 0, **content, "logprobs": _logprobs(delta.logprobs, engine, chat),
-                                  "finish_reason": delta.finish_reason if delta.finished else None}])
-                if delta.finished:
-                    done = True
-                    break
-            if usage:
-                yield chunk([], usage=_usage(len(seq.prompt_ids), tokens))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:  # disconnected mid-stream (the generator was closed): free the blocks now
-                async_engine.abort(request_id)
+    if tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_page() -> dict:
+            """vLLM's (behind --enable-tokenizer-info-endpoint, as there): what lm-eval's remote tokenizer reads."""
+            if engine.tokenizer is None:
+                raise RequestError("this model has no tokenizer")
+            return tokenizer_info(engine.tokenizer, engine.max_model_len)
 
     return app
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _logprobs(sampled: list, engine, chat: bool) -> Optional[dict]:
-    if not sampled:
-        return None
-    tok = engine.tokenizer
-
-    def piece(token_id: int) -> str:
-        return tok.decode([token_id]) if tok is not None else str(token_id)
-    if chat:
-        return {"content": [{"token": piece(s.token_id), "logprob": s.logprob,
-                             "top_logprobs": [{"token": piece(t), "logprob": lp} for t, lp in (s.top_logprobs or [])]}
-                            for s in sampled]}
-    return {"tokens": [piece(s.token_id) for s in sampled], "token_logprobs": [s.logprob for s in sampled],
-            "top_logprobs": [{piece(t): lp for t, lp in (s.top_logprobs or [])} for s in sampled]}

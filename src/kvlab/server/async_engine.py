@@ -17,6 +17,7 @@ step needs, so at many streams fewer, larger chunks leave the step more of the m
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Sequence, Union
 import torch
 
 from kvlab.engine.engine import LLMEngine
-from kvlab.engine.errors import EngineOverloaded
+from kvlab.engine.errors import EngineOverloaded, RequestError
 from kvlab.engine.outputs import StepDelta
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.sequence import Sequence as Seq
@@ -54,18 +55,41 @@ class AsyncEngine:
     def submit(self, prompt: Union[str, Sequence[int]], params: SamplingParams, request_id: str
                ) -> tuple[Seq, asyncio.Queue]:
         """Queue a request; its deltas arrive on the returned queue. Raises RequestError / EngineOverloaded."""
+        seqs, queue = self.submit_many([prompt], params, request_id)
+        return seqs[0], queue
+
+    def submit_many(self, prompts: list[Union[str, Sequence[int]]], params: SamplingParams, request_id: str
+                    ) -> tuple[list[Seq], asyncio.Queue]:
+        """Queue `params.n` samples of each prompt (a request's choices, in OpenAI's order: prompt by
+        prompt, sample by sample); every sequence's deltas arrive on the one returned queue, tagged by
+        its request id. All or none are queued: a prompt refused refuses the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        count = len(prompts) * params.n
+        if count > self.max_waiting_requests:
+            raise RequestError(f"this request makes {count} sequences ({len(prompts)} prompts x n={params.n}); "
+                               f"at most {self.max_waiting_requests} (--max-waiting-requests) can wait", "prompt")
+        seqs: list[Seq] = []
         with self.lock:
             if self.stopping:
                 raise EngineOverloaded("the server is shutting down")
             if self.engine.num_waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(f"{self.engine.num_waiting} requests are waiting already "
                                        f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-            seq = self.engine.add_request(prompt, params, request_id)
-            self.streams[request_id] = (loop, queue)
+            try:
+                for i, prompt in enumerate(prompts):
+                    rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                    own = params if len(prompts) == 1 else dataclasses.replace(params)  # max_tokens None: per prompt
+                    seqs += self.engine.add_samples(prompt, own, rid) if params.n > 1 else \
+                        [self.engine.add_request(prompt, own, rid)]
+            except Exception:  # no step ran in between (the lock): the others never started
+                for seq in seqs:
+                    self.engine.abort(seq.request_id)
+                raise
+            for seq in seqs:
+                self.streams[seq.request_id] = (loop, queue)
         self.wake.set()
-        return seq, queue
+        return seqs, queue
 
     def abort(self, request_id: str) -> None:
         """The client is gone (or the server stops): free the request's blocks now."""

@@ -14,7 +14,7 @@
  * tensor [blocks, kv_heads, block_size, head_dim] (kvlab.cache.KVPool's layout), row r's
  * token at position p in block block_tables[r][p / block_size], offset p % block_size. A
  * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
- * `capacity` tokens per row (llama_decode_step). Stores and loads of each cache format are
+ * `capacity` tokens per row (kvlab.cache.PooledRows). Stores and loads of each cache format are
  * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
  * half of fp16's bytes; with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
  * dot products instead (chunk_rows.integer), and fp8 heads that attend_fp8.h takes on sixteen
@@ -31,25 +31,43 @@
 
 int kvlab_x8_isa(void); /* ggml_gemm_x8.c: whether AVX-512 VNNI is in use */
 
-/* Where this step's rows are: positions [rows], block_tables [rows, max_blocks]. */
+/* Where this step's rows are: positions [rows], block_tables [n_groups, rows, max_blocks] (one
+ * table per KV group and row); `tables` is the group of the layer being run. */
 typedef struct {
     int rows, max_blocks, block_size;
-    const int32_t *positions, *block_tables;
+    const int32_t *positions, *block_tables, *tables;
 } paged_view;
 
 /* The step's scratch, carved out of the arena: activations, then attention's per-unit work. */
 typedef struct {
     float *normed, *qkv, *att, *gate_up, *act;
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
+    float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
     qacts qa; /* the activations of the next product, quantised */
-    int *unit_first; /* [rows + 1]: row r's attention units are unit_first[r] .. unit_first[r + 1] - 1 */
-    int *unit_row;   /* [units]: the row each unit belongs to */
+    /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
+     * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
+    int layouts, layout_window[MAX_LAYOUTS];
+    int *unit_first[MAX_LAYOUTS], *unit_row[MAX_LAYOUTS];
+    int *unit_table; /* where both live: MAX_LAYOUTS x (rows + 1) firsts, then every layout's rows */
+    int layout;      /* the layer being run's */
 } scratch;
 
 #define PREFETCH 16      /* tokens ahead that attention asks memory for */
 #define SWIGLU_PIECE 256 /* channels of one row per share of the SwiGLU loop (a multiple of QK) */
 
-static inline int chunks_at(int pos) { return pos / CHUNK + 1; }
+/* The first position a query at `pos` sees in a layer of `window` (0: full attention), and the
+ * CHUNK-aligned chunks its attention spans from there. */
+static inline int first_seen(int pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+
+static inline int chunks_at(int pos, int window) { return pos / CHUNK - first_seen(pos, window) / CHUNK + 1; }
+
+/* y = x / rms(x) * w over n values (w NULL: no weight), in place when y == x. */
+static void rms_norm(const float *x, const float *w, int n, float eps, float *y) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
 
 /* x [rows, dim] -> rms-normalised, scaled by w, then quantised for the next product. Called by
  * every thread of the step's parallel region: each row is normalised and quantised by one
@@ -57,12 +75,7 @@ static inline int chunks_at(int pos) { return pos / CHUNK + 1; }
 static void norm_quantize(const float *x, const float *w, int rows, int dim, float eps, float *out, scratch *s) {
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float *yr = out + (size_t)r * dim;
-        float ss = 0.0f;
-        for (int i = 0; i < dim; i++) ss += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
+        rms_norm(x + (size_t)r * dim, w, dim, eps, out + (size_t)r * dim);
         quantize_blocks(out, (long)r * (dim / QK), (long)(r + 1) * (dim / QK), &s->qa);
     }
 }
@@ -105,6 +118,27 @@ static void swiglu(const float *gate, const float *up, float *a, int n) {
         _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
     }
     for (; i < n; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* a = gelu_tanh(gate) up = gate / 2 (1 + tanh(u)) up with u = sqrt(2 / pi) (gate + 0.044715 gate^3),
+ * PyTorch's gelu(approximate="tanh"): tanh(u) = sign(u) (1 - e) / (1 + e) with e = e^(-2|u|) by exp8. */
+static void geglu(const float *gate, const float *up, float *a, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 c = _mm256_set1_ps(0.7978845608028654f), cube = _mm256_set1_ps(0.044715f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 u = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(cube, g), _mm256_mul_ps(g, g), g));
+        const __m256 e = exp8(_mm256_add_ps(_mm256_or_ps(u, sign), _mm256_or_ps(u, sign))); /* e^(-2|u|) */
+        const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));   /* tanh(|u|) */
+        const __m256 th = _mm256_or_ps(t, _mm256_and_ps(u, sign));                       /* sign(u) tanh(|u|) */
+        const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, th));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) {
+        const float g = gate[i];
+        a[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up[i];
+    }
 }
 
 /* y = e^x for n values x <= 0, with exp8 (exported so tests can hold it to expf). */
@@ -321,10 +355,13 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
                                                               const paged_view *v, int unit, const float *qkv,
                                                               int width, scratch *s, const int dtype) {
     const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
-    const int r = s->unit_row[unit], pos = v->positions[r], chunks = chunks_at(pos);
-    const int local = unit - s->unit_first[r], kvh = local / chunks, ch = local % chunks;
-    const int start = ch * CHUNK, end = start + CHUNK <= pos + 1 ? start + CHUNK : pos + 1;
-    const int32_t *table = v->block_tables + (size_t)r * v->max_blocks;
+    const int L = s->layout, window = s->layout_window[L];
+    const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = chunks_at(pos, window);
+    const int local = unit - s->unit_first[L][r], kvh = local / chunks;
+    const int first = first_seen(pos, window), ch = first / CHUNK + local % chunks;
+    const int start = ch * CHUNK > first ? ch * CHUNK : first;
+    const int end = (ch + 1) * CHUNK <= pos + 1 ? (ch + 1) * CHUNK : pos + 1;
+    const int32_t *table = v->tables + (size_t)r * v->max_blocks;
     chunk_rows c;
     c.len = end - start, c.d = d;
     c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
@@ -351,7 +388,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
     }
     if (c.integer) load_group(l, &c, 0); /* the rows' scales and zeros, once for every pack of query heads */
-    const float k_factor = fp8_factor(&l->k, dtype, kvh) / sqrtf((float)d), v_factor = fp8_factor(&l->v, dtype, kvh);
+    const float scale = m->query_scale > 0.0f ? m->query_scale : 1.0f / sqrtf((float)d);
+    const float k_factor = fp8_factor(&l->k, dtype, kvh) * scale, v_factor = fp8_factor(&l->v, dtype, kvh);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
     for (int h = 0; h < group;) {
         const int pack = group - h < 4 ? group - h : 4;
@@ -378,9 +416,9 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
 
 /* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
 static void combine_heads(const llama_model *m, const paged_view *v, int r, int h, const scratch *s, float *out) {
-    const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, chunks = chunks_at(v->positions[r]);
-    const int kvh = h / group, j = h % group;
-    const size_t first = ((size_t)s->unit_first[r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
+    const int L = s->layout, d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
+    const int chunks = chunks_at(v->positions[r], s->layout_window[L]), kvh = h / group, j = h % group;
+    const size_t first = ((size_t)s->unit_first[L][r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
     float top = -INFINITY, total = 0.0f;
     for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * group]);
     for (int i = 0; i < d; i++) out[i] = 0.0f;
@@ -399,25 +437,53 @@ static void stack_gemm(const qstack *w, int rows, const scratch *s, float *y, in
         qmatrix_gemm(&w->part[i], rows, &s->qa, y + at, width, 0);
 }
 
-static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *v, float *x, scratch *s) {
-    const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
+/* x[r] += rms_norm(sub[r]) w for every row: a sub-block's output post-normed into the residual (Gemma). */
+static void add_post_normed(float *x, float *sub, const float *w, int rows, int dim, float eps) {
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *yr = sub + (size_t)r * dim, *xr = x + (size_t)r * dim;
+        rms_norm(yr, w, dim, eps, yr);
+        for (int i = 0; i < dim; i++) xr[i] += yr[i];
+    }
+}
+
+/* The layout (MAX_LAYOUTS) of a layer's window: every thread finds the same one. */
+static int layout_of(const scratch *s, int window) {
+    for (int L = 0; L < s->layouts; L++)
+        if (s->layout_window[L] == window) return L;
+    return 0; /* unreachable: llama_paged_step made one per window */
+}
+
+static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *view, float *x,
+                       const scratch *shared) {
+    const int rows = view->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = view->block_size;
     const int width = (hq + 2 * hkv) * d;
+    paged_view lv = *view; /* this layer's KV group and window, in each thread's own copies */
+    lv.tables = view->block_tables + (size_t)l->group * rows * view->max_blocks;
+    scratch ls = *shared;
+    ls.layout = layout_of(shared, l->window);
+    const paged_view *v = &lv;
+    scratch *s = &ls;
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) { /* RoPE at the row's own position, then its K and V into its block */
+    for (int r = 0; r < rows; r++) { /* q/k norms and RoPE at the row's own position, then its K and V into its block */
         const int pos = v->positions[r];
         float *heads = s->qkv + (size_t)r * width;
-        const float *cos = m->rope_cos + (size_t)pos * d, *sin = m->rope_sin + (size_t)pos * d;
+        if (l->q_norm)
+            for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
+        if (l->k_norm)
+            for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
+        const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
         for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
-        const int32_t block = v->block_tables[(size_t)r * v->max_blocks + pos / bs];
+        const int32_t block = v->tables[(size_t)r * v->max_blocks + pos / bs];
         for (int h = 0; h < hkv; h++) {
             const size_t slot = ((size_t)block * hkv + h) * bs + pos % bs;
             store_row(&l->k, m->cache_dtype, slot, h, heads + (hq + h) * d, d, m->group_size);
             store_row(&l->v, m->cache_dtype, slot, h, heads + (hq + hkv + h) * d, d, m->group_size);
         }
     }
-    const int units = s->unit_first[rows];
+    const int units = s->unit_first[s->layout][rows];
     /* dynamic: units differ in length (each row's last chunk is partly filled), and a thread
      * the OS has descheduled on a shared machine should not hold back a fixed share of them */
 #pragma omp for schedule(dynamic, 1)
@@ -426,21 +492,34 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
     for (int rh = 0; rh < rows * hq; rh++)
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
     quantize_act(s->att, (size_t)rows * hq * d, &s->qa);
-    qmatrix_gemm(&l->o, rows, &s->qa, x, m->dim, 1); /* the residual add is the accumulate */
+    if (l->post_attn_norm) {
+        qmatrix_gemm(&l->o, rows, &s->qa, s->sub, m->dim, 0);
+        add_post_normed(x, s->sub, l->post_attn_norm, rows, m->dim, m->eps);
+    } else {
+        qmatrix_gemm(&l->o, rows, &s->qa, x, m->dim, 1); /* the residual add is the accumulate */
+    }
     norm_quantize(x, l->mlp_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->gate_up, rows, s, s->gate_up, 2 * m->hidden);
-    const int pieces = (m->hidden + SWIGLU_PIECE - 1) / SWIGLU_PIECE; /* SwiGLU shared out in pieces of each row */
+    const int pieces = (m->hidden + SWIGLU_PIECE - 1) / SWIGLU_PIECE; /* the gate shared out in pieces of each row */
 #pragma omp for schedule(static)
     for (int rp = 0; rp < rows * pieces; rp++) {
         const int r = rp / pieces, lo = rp % pieces * SWIGLU_PIECE;
         const int hi = lo + SWIGLU_PIECE < m->hidden ? lo + SWIGLU_PIECE : m->hidden;
         const float *gate = s->gate_up + (size_t)r * 2 * m->hidden, *up = gate + m->hidden;
         float *a = s->act + (size_t)r * m->hidden;
-        swiglu(gate + lo, up + lo, a + lo, hi - lo);
+        if (m->activation == ACT_GEGLU)
+            geglu(gate + lo, up + lo, a + lo, hi - lo);
+        else
+            swiglu(gate + lo, up + lo, a + lo, hi - lo);
         const long first = ((long)r * m->hidden + lo) / QK; /* the piece's blocks, quantised by the same thread */
         quantize_blocks(s->act, first, first + (hi - lo) / QK, &s->qa);
     }
-    qmatrix_gemm(&l->down, rows, &s->qa, x, m->dim, 1);
+    if (l->post_mlp_norm) {
+        qmatrix_gemm(&l->down, rows, &s->qa, s->sub, m->dim, 0);
+        add_post_normed(x, s->sub, l->post_mlp_norm, rows, m->dim, m->eps);
+    } else {
+        qmatrix_gemm(&l->down, rows, &s->qa, x, m->dim, 1);
+    }
 }
 
 kvlab_arena *kvlab_arena_new(void) { return calloc(1, sizeof(kvlab_arena)); }
@@ -468,7 +547,7 @@ static void *arena_reserve(kvlab_arena *a, size_t bytes) {
 
 /* Lay the step's buffers for `rows` rows and `units` attention units out from `base`; with
  * base NULL only count the bytes. */
-static size_t carve(const llama_model *m, int rows, int units, char *base, scratch *s) {
+static size_t carve(const llama_model *m, int rows, int units, int all_units, char *base, scratch *s) {
     const int widest = m->hidden > m->dim ? m->hidden : m->dim;
     const int attn_width = m->n_heads * m->head_dim > widest ? m->n_heads * m->head_dim : widest;
     const size_t chunk_heads = (size_t)units * (m->n_heads / m->n_kv_heads); /* (unit, query head) pairs */
@@ -482,20 +561,21 @@ static size_t carve(const llama_model *m, int rows, int units, char *base, scrat
         chunk_heads * sizeof(float),
         chunk_heads * sizeof(float),
         chunk_heads * m->head_dim * sizeof(float),
+        (size_t)rows * m->dim * sizeof(float),
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * attn_width,
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
-        (size_t)(rows + 1) * sizeof(int),
-        (size_t)units * sizeof(int),
+        ((size_t)MAX_LAYOUTS * (rows + 1) + all_units) * sizeof(int),
     };
+
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
-                      (void **)&s->part_out, (void **)&s->qa.q, (void **)&s->qa.d, (void **)&s->qa.s,
-                      (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
-                      (void **)&s->unit_first, (void **)&s->unit_row};
+                      (void **)&s->part_out, (void **)&s->sub, (void **)&s->qa.q, (void **)&s->qa.d,
+                      (void **)&s->qa.s, (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
+                      (void **)&s->unit_table};
     size_t at = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         if (base) *slots[i] = base + at;
@@ -504,27 +584,35 @@ static size_t carve(const llama_model *m, int rows, int units, char *base, scrat
     return at;
 }
 
-/* The checks that keep a bad argument from writing outside the cache: 0 or the error code. */
+/* The checks that keep a bad argument from writing outside the cache: 0 or the error code. Each
+ * row's table of each KV group must hold a block for every position its layers may read (a
+ * windowed group's entries before the window may be anything: they are released). */
 static int check_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                       int max_blocks, int block_size, int num_blocks) {
-    if (rows < 1 || max_blocks < 1 || block_size < 1) return -2;
+    if (rows < 1 || max_blocks < 1 || block_size < 1 || m->n_groups < 1) return -2;
     if (m->n_heads % m->n_kv_heads || m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
     if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT8 || m->head_dim % 8 ||
-        (m->cache_dtype == CACHE_INT8 && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))))
+        (m->cache_dtype == CACHE_INT8 && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
+        (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;
-    for (int r = 0; r < rows; r++) {
-        const int pos = positions[r];
-        if (pos < 0 || pos >= m->rope_len || pos / block_size >= max_blocks) return -2;
-        for (int b = 0; b <= pos / block_size; b++) {
-            const int32_t block = block_tables[(size_t)r * max_blocks + b];
-            if (block < 0 || block >= num_blocks) return -2;
+    for (int i = 0; i < m->n_layers; i++)
+        if (m->layers[i].group < 0 || m->layers[i].group >= m->n_groups || m->layers[i].window < 0) return -2;
+    for (int i = 0; i < m->n_layers; i++) {
+        const int g = m->layers[i].group, window = m->layers[i].window;
+        for (int r = 0; r < rows; r++) {
+            const int pos = positions[r];
+            if (pos < 0 || pos >= m->rope_len || pos / block_size >= max_blocks) return -2;
+            const int32_t *table = block_tables + ((size_t)g * rows + r) * max_blocks;
+            for (int b = first_seen(pos, window) / block_size; b <= pos / block_size; b++)
+                if (table[b] < 0 || table[b] >= num_blocks) return -2;
         }
     }
     return 0;
 }
 
-/* Advance `rows` rows by one token each: row r's token sits at positions[r]; its blocks are
- * block_tables[r * max_blocks ..] (entries past positions[r] / block_size are not read), each
+/* Advance `rows` rows by one token each: row r's token sits at positions[r]; its blocks in KV
+ * group g are block_tables[(g * rows + r) * max_blocks ..] (entries past positions[r] /
+ * block_size, and before a windowed layer's window, are not read), each
  * of `block_size` tokens, in caches of `num_blocks` blocks. x [rows, dim] holds the new tokens'
  * embeddings on entry (it is the residual stream, overwritten), logits [rows, vocab] receive
  * the next-token scores, and each layer's cache gains row r's K/V at its position. Returns 0;
@@ -555,18 +643,38 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
     if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows)) return -2;
     for (int i = 0; logit_rows && i < n_logits; i++)
         if (logit_rows[i] < (i ? logit_rows[i - 1] + 1 : 0) || logit_rows[i] >= rows) return -2;
-    int units = 0;
-    for (int r = 0; r < rows; r++) units += m->n_kv_heads * chunks_at(positions[r]);
     scratch s;
-    char *base = arena_reserve(arena, carve(m, rows, units, NULL, &s));
-    if (!base) return -1;
-    carve(m, rows, units, base, &s);
-    s.unit_first[0] = 0;
-    for (int r = 0; r < rows; r++) {
-        s.unit_first[r + 1] = s.unit_first[r] + m->n_kv_heads * chunks_at(positions[r]);
-        for (int u = s.unit_first[r]; u < s.unit_first[r + 1]; u++) s.unit_row[u] = r;
+    s.layouts = 0; /* one attention layout per distinct window of the model's layers */
+    for (int i = 0; i < m->n_layers; i++) {
+        int L = 0;
+        while (L < s.layouts && s.layout_window[L] != m->layers[i].window) L++;
+        if (L == s.layouts) {
+            if (s.layouts == MAX_LAYOUTS) return -4;
+            s.layout_window[s.layouts++] = m->layers[i].window;
+        }
     }
-    const paged_view view = {rows, max_blocks, block_size, positions, block_tables};
+    int units = 0, all_units = 0; /* the widest layout's units (scratch is per layer), and all layouts' */
+    for (int L = 0; L < s.layouts; L++) {
+        int n = 0;
+        for (int r = 0; r < rows; r++) n += m->n_kv_heads * chunks_at(positions[r], s.layout_window[L]);
+        units = n > units ? n : units;
+        all_units += n;
+    }
+    char *base = arena_reserve(arena, carve(m, rows, units, all_units, NULL, &s));
+    if (!base) return -1;
+    carve(m, rows, units, all_units, base, &s);
+    for (int L = 0, used = 0; L < s.layouts; L++) {
+        s.unit_first[L] = s.unit_table + (size_t)L * (rows + 1);
+        s.unit_row[L] = s.unit_table + (size_t)MAX_LAYOUTS * (rows + 1) + used;
+        s.unit_first[L][0] = 0;
+        for (int r = 0; r < rows; r++) {
+            s.unit_first[L][r + 1] = s.unit_first[L][r] + m->n_kv_heads * chunks_at(positions[r], s.layout_window[L]);
+            for (int u = s.unit_first[L][r]; u < s.unit_first[L][r + 1]; u++) s.unit_row[L][u] = r;
+        }
+        used += s.unit_first[L][rows];
+    }
+    s.layout = 0;
+    const paged_view view = {rows, max_blocks, block_size, positions, block_tables, block_tables};
 #pragma omp parallel
     {
         for (int i = 0; i < m->n_layers; i++) layer_step(m, &m->layers[i], &view, x, &s);
@@ -582,20 +690,6 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
         }
     }
     return 0;
-}
-
-/* The contiguous case: every row at position `pos` of a cache [batch, kv_heads, capacity,
- * head_dim], which is a pool of `batch` blocks of `capacity` tokens, row r owning block r.
- * Returns llama_paged_decode_step's codes (-2 when `pos` is outside the cache). */
-int llama_decode_step(const llama_model *m, int batch, int capacity, int pos, float *x, float *logits,
-                      kvlab_arena *arena) {
-    if (batch < 1 || pos < 0 || pos >= capacity) return -2;
-    int32_t *rows = malloc(2 * (size_t)batch * sizeof(int32_t)); /* positions, then the one-block tables */
-    if (!rows) return -1;
-    for (int r = 0; r < batch; r++) rows[r] = pos, rows[batch + r] = r;
-    const int status = llama_paged_decode_step(m, batch, rows, rows + batch, 1, capacity, batch, x, logits, arena);
-    free(rows);
-    return status;
 }
 
 /* Test hooks: the stores' quantisers alone, so tests can hold them to PyTorch's byte for byte. */

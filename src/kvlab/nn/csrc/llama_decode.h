@@ -21,6 +21,13 @@ enum {
 };
 
 #define CHUNK 128    /* tokens per attention work unit */
+#define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
+
+/* The MLP's gate (llama_model.activation). */
+enum {
+    ACT_SWIGLU = 0, /* silu(gate) * up: Llama */
+    ACT_GEGLU = 1,  /* gelu_tanh(gate) * up: Gemma */
+};
 
 /* F(args..., H) for a pack of `heads` (1..4) query heads, H fixed at compile time in each case
  * so that the attention loops' per-head accumulators stay in registers. */
@@ -54,12 +61,19 @@ typedef struct {
     const float *fp8_scale;  /* fp8: [n_kv_heads] static scales; else NULL */
 } kv_plane;
 
+/* One layer, as a descriptor the step's loop reads: what differs between model families
+ * (Llama, Gemma 3) is data here, not code paths. */
 typedef struct {
-    const float *attn_norm, *mlp_norm; /* [dim] */
-    qstack qkv;                        /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
-    qmatrix o;                         /* [dim, n_heads head_dim] */
-    qstack gate_up;                    /* [2 hidden, dim]: gate rows, then up rows */
-    qmatrix down;                      /* [dim, hidden] */
+    const float *attn_norm, *mlp_norm;           /* [dim] */
+    const float *q_norm, *k_norm;                /* [head_dim]: RMSNorm of each query/key head before RoPE, or NULL */
+    const float *post_attn_norm, *post_mlp_norm; /* [dim]: RMSNorm of each sub-block's output before the residual add, or NULL */
+    const float *rope_cos, *rope_sin;            /* [rope_len, head_dim]: this layer's tables, sin signed (kvlab.nn.rope) */
+    int window;                                  /* 0: full attention; W: a query at t sees keys t - W < p <= t */
+    int group;                                   /* which block table (KV group) holds this layer's K/V */
+    qstack qkv;                                  /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
+    qmatrix o;                                   /* [dim, n_heads head_dim] */
+    qstack gate_up;                              /* [2 hidden, dim]: gate rows, then up rows */
+    qmatrix down;                                /* [dim, hidden] */
     kv_plane k, v;
 } llama_layer;
 
@@ -67,12 +81,14 @@ typedef struct {
  * are call arguments, so one struct serves every batch. */
 typedef struct {
     int n_layers, dim, n_heads, n_kv_heads, head_dim, hidden, vocab;
+    int n_groups;         /* KV groups: the step takes one block table per group and row */
     int rope_len;         /* positions the RoPE tables cover */
     int rope_interleaved; /* 0: channel i pairs with i + head_dim/2; 1: 2i pairs with 2i + 1 */
     int cache_dtype;      /* CACHE_*; head_dim is a multiple of 8 */
     int group_size;       /* CACHE_INT8: channels per scale/zero group (a multiple of 8, or >= head_dim) */
+    int activation;       /* ACT_* */
     float eps;
-    const float *rope_cos, *rope_sin; /* [rope_len, head_dim]: full width, sin signed (kvlab.nn.rope) */
+    float query_scale;    /* the attention logits' scale; 0: 1 / sqrt(head_dim) */
     const llama_layer *layers;
     const float *final_norm;
     qmatrix lm_head;

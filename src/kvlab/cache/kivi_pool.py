@@ -1,0 +1,120 @@
+"""KIVI in the paged pool: quantised tokens in blocks, the newest in a full-precision residual per seat.
+
+KIVI (kvlab.cache.kivi) quantises keys per channel over groups of G tokens and values per
+token over groups of G channels, and keeps a sequence's newest tokens in full precision until
+a whole group of G lies R tokens back: a sequence of T tokens holds
+q = kivi_quantised_tokens(T, G, R) tokens quantised and T - q (between R and R + G - 1 once
+T >= R) in the residual. In the pool:
+- quantised tokens live in the sequence's blocks at their positions (block_size is a multiple
+  of G, so a key group never straddles two blocks): per block and head, `block_size` packed
+  code rows, block_size / G rows of per-channel key scales and zeros, and per-token value
+  scales and zeros, exactly the tensors kvlab.plan.kv_formats counts;
+- the residual lives in a ring of R + G rows per seat (a running sequence's place, handed out
+  by the block manager), row p % (R + G) holding position p: the residual spans fewer rows.
+
+Storing follows KiviCache's order (new tokens join the residual, then the oldest whole groups
+beyond R are quantised), and groups start at multiples of G in both, so the pool holds the
+same codes as the lab's KiviCache and attention reads the same values.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from kvlab.cache.base import CacheError
+from kvlab.cache.quantize import dequantize_groups, pack_codes, quantize_groups, unpack_codes
+from kvlab.plan.kv_formats import KIVI, KVFormat, groups_per_row, kivi_quantised_tokens, packed_row_bytes
+
+
+class KiviPlanes:
+    """Every layer slot's quantised blocks and every seat's residual ring, for one pool."""
+
+    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, block_size: int, kv_heads: int, k_dim: int,
+                 v_dim: int, seats: int, dtype: torch.dtype, device: torch.device, zeroed) -> None:
+        if fmt.scheme != KIVI:
+            raise CacheError(f"KiviPlanes stores KIVI formats, not {fmt.name}")
+        if block_size % fmt.group_size:
+            raise CacheError(f"a {fmt.name} pool needs blocks of a multiple of its group of {fmt.group_size} "
+                             f"tokens, not {block_size}")
+        if seats <= 0:
+            raise CacheError(f"a {fmt.name} pool needs seats for its residuals, got {seats}")
+        self.bits, self.group, self.residual = fmt.bits, fmt.group_size, fmt.residual
+        self.block_size, self.k_dim, self.v_dim, self.dtype = block_size, k_dim, v_dim, dtype
+        self.ring = fmt.residual + fmt.group_size
+        nb, h, g = num_blocks, kv_heads, fmt.group_size
+
+        def blocks(rows: int, width: int, dt: torch.dtype) -> Tensor:
+            return zeroed((nb, h, rows, width), dt, device)
+
+        self.k_codes = [blocks(block_size, packed_row_bytes(k_dim, self.bits), torch.uint8) for _ in range(slots)]
+        self.k_scale = [blocks(block_size // g, k_dim, torch.float16) for _ in range(slots)]
+        self.k_zero = [blocks(block_size // g, k_dim, torch.float16) for _ in range(slots)]
+        self.v_codes = [blocks(block_size, packed_row_bytes(v_dim, self.bits), torch.uint8) for _ in range(slots)]
+        self.v_scale = [blocks(block_size, groups_per_row(v_dim, g), torch.float16) for _ in range(slots)]
+        self.v_zero = [blocks(block_size, groups_per_row(v_dim, g), torch.float16) for _ in range(slots)]
+        self.k_ring = [zeroed((seats, h, self.ring, k_dim), dtype, device) for _ in range(slots)]
+        self.v_ring = [zeroed((seats, h, self.ring, v_dim), dtype, device) for _ in range(slots)]
+
+    def quantised(self, tokens: int) -> int:
+        return kivi_quantised_tokens(tokens, self.group, self.residual)
+
+    def store(self, slot: int, k: Tensor, v: Tensor, starts: Sequence[int], lens: Sequence[int],
+              tables: Sequence[Sequence[int]], seats: Sequence[int]) -> None:
+        """Sequence s's new keys and values (rows of k [N, H, Dk] and v [N, H, Dv], packed in order)
+        at positions starts[s].., into its blocks `tables[s]` and its residual ring at seats[s]."""
+        at = 0
+        for start, new, table, seat in zip(starts, lens, tables, seats):
+            kn, vn = k[at:at + new].transpose(0, 1).to(self.dtype), v[at:at + new].transpose(0, 1).to(self.dtype)
+            at += new
+            end = start + new
+            first, last = self.quantised(start), self.quantised(end)
+            if last > first:  # whole groups that just fell R tokens back: from the ring, then the new rows
+                held = torch.arange(first, min(last, start)) % self.ring
+                keys = torch.cat((self.k_ring[slot][seat][:, held], kn[:, max(0, first - start):last - start]), dim=1)
+                values = torch.cat((self.v_ring[slot][seat][:, held], vn[:, max(0, first - start):last - start]), dim=1)
+                self._quantise(slot, keys, values, first, table)
+            fresh = torch.arange(max(start, last), end)
+            self.k_ring[slot][seat][:, fresh % self.ring] = kn[:, fresh - start]
+            self.v_ring[slot][seat][:, fresh % self.ring] = vn[:, fresh - start]
+
+    def _quantise(self, slot: int, keys: Tensor, values: Tensor, first: int, table: Sequence[int]) -> None:
+        """Quantise keys/values [H, n, D] of positions first..first + n - 1 (whole groups) into their blocks."""
+        for offset in range(0, keys.shape[1], self.group):
+            position = first + offset
+            block, row = table[position // self.block_size], position % self.block_size
+            k = keys[:, offset:offset + self.group]  # [H, G, D]: per channel over the group's tokens
+            codes, scale, zero = quantize_groups(k.transpose(1, 2), self.bits, self.group)
+            self.k_codes[slot][block, :, row:row + self.group] = pack_codes(codes.transpose(1, 2), self.bits)
+            self.k_scale[slot][block, :, row // self.group] = scale[..., 0]
+            self.k_zero[slot][block, :, row // self.group] = zero[..., 0]
+            codes, scale, zero = quantize_groups(values[:, offset:offset + self.group], self.bits, self.group)
+            self.v_codes[slot][block, :, row:row + self.group] = pack_codes(codes, self.bits)
+            self.v_scale[slot][block, :, row:row + self.group] = scale
+            self.v_zero[slot][block, :, row:row + self.group] = zero
+
+    def read(self, slot: int, table: Sequence[int], seat: int, length: int,
+             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A sequence's first `length` keys and values [H, length, D]: its quantised tokens dequantised,
+        then its residual, in `dtype`."""
+        q = self.quantised(length)
+        used = torch.as_tensor(list(table[:-(-q // self.block_size)]), dtype=torch.long)
+        k_codes = self.k_codes[slot][used].transpose(0, 1).flatten(1, 2)[:, :q]
+        k_scale = self.k_scale[slot][used].transpose(0, 1).flatten(1, 2)[:, :q // self.group]
+        k_zero = self.k_zero[slot][used].transpose(0, 1).flatten(1, 2)[:, :q // self.group]
+        keys = dequantize_groups(unpack_codes(k_codes, self.bits, self.k_dim).transpose(1, 2), k_scale.transpose(1, 2),
+                                 k_zero.transpose(1, 2), self.group, dtype).transpose(1, 2)
+        v_rows = {name: planes[slot][used].transpose(0, 1).flatten(1, 2)[:, :q]
+                  for name, planes in (("codes", self.v_codes), ("scale", self.v_scale), ("zero", self.v_zero))}
+        values = dequantize_groups(unpack_codes(v_rows["codes"], self.bits, self.v_dim), v_rows["scale"],
+                                   v_rows["zero"], self.group, dtype)
+        held = torch.arange(q, length) % self.ring
+        return (torch.cat((keys, self.k_ring[slot][seat][:, held].to(dtype)), dim=1),
+                torch.cat((values, self.v_ring[slot][seat][:, held].to(dtype)), dim=1))
+
+    def tensors(self) -> Iterator[Tensor]:
+        return chain(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+                     self.k_ring, self.v_ring)
