@@ -19,6 +19,9 @@ def test_steps_convert_then_measure_then_train_then_serve():
     order = [key.split(":")[0] for key in keys]
     assert order.index("convert") < order.index("quality") < order.index("uptrain") < order.index("serving")
     assert order[-1] == "speed" and "pad:mla50:uptrained" in keys and "pad:mqa:converted" not in keys
+    # the comparisons are measured before training only, and only the DeepSeek layout is padded for vLLM
+    assert "quality:mqa-mean:converted" in keys and "uptrain:mqa-mean" not in keys
+    assert "quality:mla50-kvlab:converted" in keys and not any(k.startswith("pad:mla50-kvlab") for k in keys)
     assert keys.index("quality:mqa:converted") < keys.index("uptrain:mqa") < keys.index("quality:mqa:uptrained")
 
 
@@ -30,11 +33,12 @@ def mla_dir(tmp_path):
     return str(tmp_path)
 
 
-def test_an_mla_directory_says_why_each_server_cannot_run_it(tmp_path):
+def test_kvlab_serves_an_mla_directory_and_vllm_says_why_not_with_fp8(tmp_path):
     path = mla_dir(tmp_path)
     engine = conversions.engine_line(path)
-    assert not engine["served"] and "issue 35" in engine["why"]
-    assert "issue 35" in conversions_speed.peer("kvlab", path, "auto", 8000)
+    assert engine["served"] and engine["lines"][-1].startswith("CPU KV cache size: ")
+    for kv in ("auto", "fp8"):
+        assert not isinstance(conversions_speed.peer("kvlab", path, kv, 8000), str)
     assert "model's dtype" in conversions_speed.peer("vllm", path, "fp8", 8000) or "no vLLM venv" in \
         conversions_speed.peer("vllm", path, "fp8", 8000)
 

@@ -22,8 +22,8 @@ the command a user would type and this run's provenance:
    1, 4, 16 and 32 with 128- and 1,024-token prompts, with the fp16 and the fp8 KV cache where the
    server runs it.
 
-Where a server cannot run a directory the cell says why (`kvlab serve` runs no MLA model until the
-engine does, issue 35; vLLM's CPU MLA backend caches only in the model's dtype), and the pipeline
+Where a server cannot run a directory the cell says why (vLLM's CPU MLA backend caches only in the
+model's dtype; `kvlab serve` runs both attentions and both caches), and the pipeline
 goes on. Directories live outside the repository (~0.3 GB each): $KVLAB_REPORT_WORK, else
 ~/.cache/kvlab/conversions.
 """
@@ -57,17 +57,33 @@ class Variant:
     name: str
     convert: tuple[str, ...]  # kvlab convert's flags; () is the unconverted model
     label: str
+    uptrain: bool = True  # uptrained and measured again
+    served: bool = True  # capacity, greedy text and speed in both servers
 
     @property
     def mla(self) -> bool:
         return "mla" in self.convert
 
+    @property
+    def padded(self) -> bool:
+        """Served by vLLM through a copy padded to its CPU kernel's latent (DeepSeek layout only)."""
+        return self.mla and "kvlab" not in self.convert
 
+
+KVLAB_LAYOUT = ("--to", "mla", "--layout", "kvlab", "--rope-dim", "32")  # the old layout, as reports/real-models ran it
 VARIANTS = (
     Variant("original", (), "SmolLM2-135M (GQA, 3 KV heads)"),
     Variant("mqa", ("--kv-heads", "1"), "MQA (1 KV head), aligned"),
-    Variant("mla50", ("--to", "mla", "--kv-cache-fraction", "0.5"), "MLA at 50% of the cache"),
-    Variant("mla25", ("--to", "mla", "--kv-cache-fraction", "0.25"), "MLA at 25% of the cache"),
+    Variant("mqa-mean", ("--kv-heads", "1", "--method", "mean"), "MQA (1 KV head), mean-pooled (GQA paper)",
+            uptrain=False, served=False),
+    Variant("mla75", ("--to", "mla", "--kv-cache-fraction", "0.75"), "MLA at 75% of the cache, DeepSeek layout",
+            uptrain=False, served=False),
+    Variant("mla75-kvlab", (*KVLAB_LAYOUT, "--kv-cache-fraction", "0.75"),
+            "MLA at 75%, kvlab layout (weight SVD)", uptrain=False, served=False),
+    Variant("mla50", ("--to", "mla", "--kv-cache-fraction", "0.5"), "MLA at 50% of the cache, DeepSeek layout"),
+    Variant("mla50-kvlab", (*KVLAB_LAYOUT, "--kv-cache-fraction", "0.5"),
+            "MLA at 50%, kvlab layout (weight SVD)", uptrain=False, served=False),
+    Variant("mla25", ("--to", "mla", "--kv-cache-fraction", "0.25"), "MLA at 25% of the cache, DeepSeek layout"),
 )
 STAGES = ("converted", "uptrained")
 
@@ -87,7 +103,7 @@ def directory(variant: Variant, stage: str) -> Path:
 
 def served_directory(variant: Variant, stage: str) -> Path:
     """What the servers load: the directory itself, or for MLA its copy padded to vLLM's latent width."""
-    return directory(variant, stage) if not variant.mla else work_dir() / f"{directory(variant, stage).name}-vllm"
+    return directory(variant, stage) if not variant.padded else work_dir() / f"{directory(variant, stage).name}-vllm"
 
 
 def cli(argv: list[str]) -> tuple[int, str]:
@@ -218,12 +234,9 @@ def engine_line(path: str) -> dict:
     from kvlab.engine.engine import EngineConfig, LLMEngine
 
     model = load_checkpoint(path, torch.float32, "dense").model
-    if model.config.attention == "mla":
-        return {"served": False, "why": "kvlab serve runs no MLA model yet (the engine restructuring of issue 35 "
-                                        "adds it); hook: kvlab.report.conversions.engine_line"}
     try:
         engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=KV_SPACE_GIB * 2**30,
-                                                     max_model_len=4096, fused=False))
+                                                     max_model_len=min(4096, model.config.max_seq_len), fused=False))
     except Exception as error:  # noqa: BLE001 - the engine's refusal is the cell's content
         return {"served": False, "why": f"{type(error).__name__}: {error}"}
     return {"served": True, "lines": engine.capacity_lines}
@@ -238,7 +251,7 @@ def speed(variant: Variant, server: str, kv_dtype: str) -> dict:
     """`vllm bench serve` against one server on one directory: TTFT, ITL and output tok/s per cell."""
     from kvlab.report.conversions_speed import run_grid
 
-    path = _original_dir() if variant.name == "original" else str(served_directory(variant, "uptrained"))
+    path = _original_dir() if variant.name == "original" else str(served_directory(variant, _stages(variant)[-1]))
     return run_grid(server, path, kv_dtype, CONCURRENCY, PROMPT_LENS, OUTPUT_LEN)
 
 
@@ -249,18 +262,24 @@ def steps() -> list[tuple[str, Callable[[], Optional[dict]]]]:
     """(key, step) in the order they run; a step returning None is unfinished (a training slice)."""
     listed: list[tuple[str, Callable]] = []
     converted = [v for v in VARIANTS if v.convert]
+    trained = [v for v in converted if v.uptrain]
+    served = [v for v in VARIANTS if v.served]
     listed += [(f"convert:{v.name}", lambda v=v: convert(v)) for v in converted]
     listed += [(f"quality:{v.name}:converted", lambda v=v: quality(v, "converted")) for v in VARIANTS]
-    listed += [(f"uptrain:{v.name}", lambda v=v: uptrain_slice(v, remaining())) for v in converted]
-    listed += [(f"quality:{v.name}:uptrained", lambda v=v: quality(v, "uptrained")) for v in converted]
-    listed += [(f"pad:{v.name}:{s}", lambda v=v, s=s: pad(v, s)) for v in converted if v.mla for s in STAGES]
-    listed += [(f"serving:{v.name}:{s}", lambda v=v, s=s: serving(v, s)) for v in VARIANTS
-               for s in (STAGES if v.convert else ("converted",))]
+    listed += [(f"uptrain:{v.name}", lambda v=v: uptrain_slice(v, remaining())) for v in trained]
+    listed += [(f"quality:{v.name}:uptrained", lambda v=v: quality(v, "uptrained")) for v in trained]
+    listed += [(f"pad:{v.name}:{s}", lambda v=v, s=s: pad(v, s)) for v in served if v.padded
+               for s in _stages(v)]
+    listed += [(f"serving:{v.name}:{s}", lambda v=v, s=s: serving(v, s)) for v in served for s in _stages(v)]
     for server in ("vllm", "kvlab"):
-        for v in VARIANTS:
+        for v in served:
             for kv in ("auto", "fp8"):
                 listed.append((f"speed:{server}:{v.name}:{kv}", lambda v=v, s=server, k=kv: speed(v, s, k)))
     return listed
+
+
+def _stages(variant: Variant) -> tuple[str, ...]:
+    return STAGES if variant.convert and variant.uptrain else ("converted",)
 
 
 _deadline = [float("inf")]
@@ -276,7 +295,7 @@ def run(max_seconds: float, only: Optional[str] = None) -> bool:
     results = Results(OUT / "results.json")
     _deadline[0] = time.monotonic() + max_seconds
     for key, step in steps():
-        if results.done(key) or (only and not key.startswith(only)):
+        if results.done(key) or (only and not key.startswith(tuple(only.split(",")))):
             continue
         if remaining() <= 0:
             return False
@@ -284,14 +303,15 @@ def run(max_seconds: float, only: Optional[str] = None) -> bool:
         value = step()
         if value is None:
             return False
-        results.put(key, value)
+        results.put(key, {**value, "load_average_1m": round(os.getloadavg()[0], 2)})  # the machine is shared
     return all(results.done(key) for key, _ in steps())
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlab.report.conversions", description=__doc__.split("\n")[0])
     parser.add_argument("--max-seconds", type=float, default=1080.0, help="start no step after this (1080)")
-    parser.add_argument("--only", help="run only the steps whose key starts with this (e.g. quality:mqa)")
+    parser.add_argument("--only", help="run only the steps whose key starts with one of these comma-separated prefixes "
+                             "(e.g. convert:mqa,quality:mqa)")
     parser.add_argument("--render", action="store_true", help="only rewrite README.md from results.json")
     args = parser.parse_args(argv)
     complete = False if args.render else run(args.max_seconds, args.only)

@@ -57,19 +57,20 @@ def render(data: dict, variants, keys: list[str]) -> str:
         before, after = steps.get(f"quality:{v.name}:converted"), steps.get(f"quality:{v.name}:uptrained")
         up = (steps.get(f"uptrain:{v.name}") or {}).get("report")
         training = ""
-        if v.convert:
+        if v.convert and v.uptrain:
             training = f"{up['tokens']:,} tokens, {up['train_seconds'] / 60:.0f} min" if up else "–"
+        trained = v.convert and v.uptrain
         lines.append(f"| {v.label} | `{conv.get('command', 'kvlab convert ' + v.name) if v.convert else '–'}` | "
                      f"{bytes_ if bytes_ else '–'} | {ratio} | {_ppl(before, base)} | {_keys(before)} | "
-                     f"{_ppl(after, base) if v.convert else ''} | {_keys(after) if v.convert else ''} | {training} |")
+                     f"{_ppl(after, base) if trained else ''} | {_keys(after) if trained else ''} | {training} |")
     lines += ["", "## Capacity: what each server logs, against kvlab plan", "",
               f"1 GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; kvlab's engine --kv-cache-memory), bf16. MLA "
               f"directories are served padded to vLLM's CPU kernel's 512 + 64 latent row (`kvlab convert DIR "
               f"--pad-latent 512`: the same function, a wider cache row), so their served capacity is that row's.", "",
               "| model | stage | kvlab plan | real vLLM logged | = plan | kvlab serve (engine) | vLLM greedy = kvlab |",
               "|---|---|---|---|---|---|---|"]
-    for v in variants:
-        for stage in (("converted", "uptrained") if v.convert else ("converted",)):
+    for v in (v for v in variants if v.served):
+        for stage in (("converted", "uptrained") if v.convert and v.uptrain else ("converted",)):
             row = steps.get(f"serving:{v.name}:{stage}")
             if row is None:
                 lines.append(f"| {v.label} | {stage} | – | – | – | – | – |")
@@ -91,7 +92,7 @@ def render(data: dict, variants, keys: list[str]) -> str:
         f"in {n} c={c}" for n in (128, 1024) for c in (1, 4, 16, 32)) + " |"
     lines += [header, "|" + "---|" * (3 + 8)]
     for server in ("vllm", "kvlab"):
-        for v in variants:
+        for v in (v for v in variants if v.served):
             for kv in ("auto", "fp8"):
                 grid = steps.get(f"speed:{server}:{v.name}:{kv}")
                 if grid is not None and not grid.get("served"):

@@ -3,7 +3,7 @@
 One server is started per (directory, KV cache dtype) and measured at every concurrency and prompt
 length of the grid, 2 x concurrency requests (at least 4) of random tokens each, OUTPUT_LEN tokens
 out (ignore_eos), its prefix cache reset before each cell. vLLM's CPU MLA backend caches only in the
-model's dtype, and `kvlab serve` runs no MLA model yet: those cells record why, not a number.
+model's dtype: those cells record why, not a number. `kvlab serve` runs either attention, fp8 included.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ def peer(server: str, path: str, kv_dtype: str, port: int):
         mla = config_from_json(json.load(handle)).attention == "mla"
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if server == "kvlab":
-        if mla:
-            return "kvlab serve runs no MLA model yet (issue 35's engine work adds it)"
         import sys
         return Peer("kvlab", [sys.executable, "-m", "kvlab.cli", "serve", path, *host, "--served-model-name", "m",
                               "--kv-cache-memory", f"{KV_SPACE_GIB}GiB", "--max-model-len", "4096",
