@@ -50,9 +50,10 @@ def load_from_args(args: argparse.Namespace):
     loaded = load_checkpoint(args.model, getattr(torch, DTYPES[args.dtype]), packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
-        if args.kv_heads < loaded.model.config.kv_heads:
-            print(pooled_warning(args.model, loaded.model.config.kv_heads, args.kv_heads), file=sys.stderr)
-        loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")
+        before = loaded.model.config.kv_heads
+        loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")  # a bad count is an error, no warning
+        if args.kv_heads < before:
+            print(pooled_warning(args.model, before, args.kv_heads), file=sys.stderr)
     return loaded
 
 
