@@ -188,3 +188,27 @@ def test_residual_keys_keep_what_their_lost_rotation_averages_to():
     omega = 100000.0 ** (-2 * 20 / 64)
     exact = torch.trapezoid(torch.exp(-1j * omega * delta), delta) / 512
     assert abs(complex(weights[20]) - complex(exact)) < 1e-6
+
+
+def test_kvlab_serve_runs_a_written_deepseek_directory_token_for_token(tmp_path):
+    """What `kvlab serve DIR` runs: the engine on the loaded directory, its pool holding one latent row
+    and the shared RoPE key per token, greedy ids equal to the model decoding alone."""
+    from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvlab.nn.generate import generate
+
+    model = convert_to_mla_aware(tiny(), 20, 8, calibration()).model
+    save_hf(model, str(tmp_path))
+    served, _ = load_hf(str(tmp_path))
+    prompts = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    with torch.inference_mode():
+        want = [generate(served.eval(), torch.tensor([p]), 12)[0].tolist() for p in prompts]
+    engine = LLMEngine(served, None, EngineConfig(kv_cache_memory=1_000_000, block_size=4, fused=False))
+    assert engine.pool.is_latent and engine.pool.kv_heads == 1 and engine.pool.k_head_dim == 20 + 8
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    got: dict = {}
+    with torch.inference_mode():
+        while engine.has_unfinished():
+            for delta in engine.step():
+                got.setdefault(delta.request_id, []).extend(delta.token_ids)
+    assert [got[i] for i in ids] == want
