@@ -38,6 +38,9 @@ def render(data: dict, variants, keys: list[str]) -> str:
              "<!-- Written by `python -m kvlab.report.conversions` from results.json; do not edit by hand. -->", "",
              "Regenerate (resumable: repeat until it prints `complete`):", "", "```bash",
              "flock /tmp/kvlab-heavy.lock python -m kvlab.report.conversions --max-seconds 1080", "```", "",
+             "Machine: AMD EPYC (Zen 2, AVX2 only, no AVX-512/AMX), 2 cores shared with other engineers' jobs "
+             "(each step's 1-minute load average is in results.json beside its provenance): quality figures do not "
+             "depend on it, times do.", "",
              f"Steps done: {sum(k in steps for k in keys)} of {len(keys)}."
              + (" Missing: " + ", ".join(f"`{k}`" for k in keys if k not in steps) + "." if any(
                  k not in steps for k in keys) else ""), "",
