@@ -68,3 +68,11 @@ def test_the_readme_renders_every_kind_of_cell():
     assert "not served: kvlab serve runs no MLA model yet" in text and "120 / 40 / 20.5" in text
     assert "not served: not yet" in text and "completion: yes" in text
     assert json.dumps(steps)  # results.json is plain JSON
+
+
+def test_a_conversion_records_the_command_a_user_types(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLAB_REPORT_WORK", str(tmp_path))
+    (tmp_path / "mqa").mkdir()
+    (tmp_path / "mqa" / "config.json").write_text("{}")  # converted before: reused, not redone
+    step = conversions.convert(conversions.VARIANTS[1])
+    assert step["command"] == "kvlab convert smollm2-135m --kv-heads 1 -o mqa"

@@ -144,13 +144,13 @@ def convert(variant: Variant) -> dict:
     out = directory(variant, "converted")
     argv = ["convert", MODEL, *variant.convert, "-o", str(out), "--force", "--json"]
     if (out / "config.json").exists():  # converted by this command before (the work folder outlives results.json)
-        return {"command": "kvlab " + " ".join(argv[:-3] + ["-o", variant.name]), "reused": str(out)}
+        return {"command": "kvlab " + " ".join(argv[:-4] + ["-o", variant.name]), "reused": str(out)}
     started = time.time()
     code, printed = cli(argv)
     if code != 0:
         raise SystemExit(f"conversions: kvlab {' '.join(argv)} exited {code}")
     report = json.loads(printed)
-    return {"command": "kvlab " + " ".join(argv[:-3] + ["-o", variant.name]), "seconds": round(time.time() - started),
+    return {"command": "kvlab " + " ".join(argv[:-4] + ["-o", variant.name]), "seconds": round(time.time() - started),
             "report": {k: v for k, v in report.items() if k not in ("files", "groups_per_layer")}}
 
 
