@@ -185,13 +185,15 @@ def quality(variant: Variant, stage: str) -> dict:
 
     name = MODEL if variant.name == "original" else str(directory(variant, stage))
     loaded = load_checkpoint(name, torch.float32, "dense")
-    evaluator = Evaluator(loaded, ResultStore(None, {"model": MODEL}))
+    # cells kept beside the directories as they finish: a stopped run resumes at the next passkey cell
+    store = ResultStore(work_dir() / f"{variant.name}-{stage}.evals.json", {"model": name})
+    evaluator = Evaluator(loaded, store)
     setting = KVSetting("fp16")
     ppl = evaluator.perplexity(setting, PerplexityTask(shared_text(EVAL_TEXT), CONTEXT, WINDOWS, CHUNK, OFFSET))
     hits = trials = 0
     for seed in variant.passkey_seeds:
         for depth in PASSKEY_DEPTHS:
-            cell = evaluator.passkey(setting, PasskeyTask((PASSKEY_LENGTH,), (depth,), PASSKEY_TRIALS, seed, CHUNK))
+            cell, = evaluator.passkey(setting, PasskeyTask((PASSKEY_LENGTH,), (depth,), PASSKEY_TRIALS, seed, CHUNK))
             hits, trials = hits + cell["correct"], trials + cell["trials"]
     return {"perplexity": ppl["perplexity"], "per_window": ppl["per_window_perplexity"],
             "passkey": [hits, trials], "passkey_length": PASSKEY_LENGTH}
