@@ -76,3 +76,14 @@ def test_a_conversion_records_the_command_a_user_types(tmp_path, monkeypatch):
     (tmp_path / "mqa" / "config.json").write_text("{}")  # converted before: reused, not redone
     step = conversions.convert(conversions.VARIANTS[1])
     assert step["command"] == "kvlab convert smollm2-135m --kv-heads 1 -o mqa"
+
+
+def test_an_unfinished_uptraining_is_not_measured_as_uptrained(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr(conversions, "OUT", tmp_path)
+    monkeypatch.setattr(conversions, "quality", lambda v, stage: measured.append((v.name, stage)) or {"ok": 1})
+    conversions.run(60, only="quality:mqa:uptrained")
+    assert measured == []
+    conversions.Results(tmp_path / "results.json").put("uptrain:mqa", {"report": {}})
+    conversions.run(60, only="quality:mqa:uptrained")
+    assert measured == [("mqa", "uptrained")]

@@ -300,6 +300,9 @@ def run(max_seconds: float, only: Optional[str] = None) -> bool:
     for key, step in steps():
         if results.done(key) or (only and not key.startswith(tuple(only.split(",")))):
             continue
+        if key.startswith("quality:") and key.endswith(":uptrained") and not results.done(
+                "uptrain:" + key.split(":")[1]):
+            continue  # an unfinished uptraining's directory holds the converted weights, not the uptrained ones
         if remaining() <= 0:
             return False
         print(f"conversions: {key}", file=sys.stderr)
