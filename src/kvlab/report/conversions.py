@@ -9,12 +9,14 @@ Repeat it until it prints `complete`. The steps, in order, each recorded in resu
 the command a user would type and this run's provenance:
 
 1. convert: `kvlab convert smollm2-135m` to 1 KV head (aligned) and to DeepSeek-layout MLA at 50%
-   and 25% of the cache (calibrated on *Pride and Prejudice*);
+   and 25% of the cache (calibrated on *Pride and Prejudice*); for comparison, measured before
+   training only: 1 KV head mean-pooled (the GQA paper's start), MLA at 75% in DeepSeek's layout, and
+   kvlab's weight-SVD layout at 75% and 50% (32 RoPE channels per KV head, as reports/real-models);
 2. quality before uptraining: perplexity on *Frankenstein* (2 windows of 2,048 tokens, from token
    1,000, through an fp16 cache 256 tokens at a time, as reports/real-models) and passkey
    retrieval at 2,048 tokens (3 depths x 4 keys x 2 seeds = 24 trials);
 3. uptrain: `kvlab uptrain` on *Pride and Prejudice* (distillation from the source, attention and
-   norms, a token budget) in slices, then the same quality cells after;
+   norms, UPTRAIN_TOKENS tokens) in slices, then the same quality cells after, once it has finished;
 4. serving: for each directory (the MLA ones padded to vLLM's CPU kernel's 512 + 64 latent, which
    computes the same function), the capacity lines kvlab plan predicts, kvlab's engine logs and real
    vLLM logs (1 GiB of KV cache), and vLLM's greedy text against kvlab's on the same ids;
