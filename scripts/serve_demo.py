@@ -8,7 +8,7 @@ prints the capacity lines the server logged, one completion (greedy, streamed: a
 completion of "What is the capital of France?", or with --prompt a text completion, for a
 model without a chat template) and its usage, and the server's Prometheus counters for it,
 then stops the server with SIGTERM. With --to-mla the model is first converted to MLA at full
-rank (`kvlab convert MODEL --to mla --kv-lora-rank full`, exact) into a temporary directory,
+rank (`kvlab convert MODEL --to mla --layout kvlab --kv-lora-rank full`, exact) into a temporary directory,
 which is what is served.
 """
 
@@ -38,8 +38,8 @@ def main() -> int:
     if "--to-mla" in args:
         args.remove("--to-mla")
         converted = os.path.join(tempfile.mkdtemp(prefix="kvlab-demo-"), "mla")
-        subprocess.run([sys.executable, "-m", "kvlab.cli", "convert", model, "--to", "mla", "--kv-lora-rank", "full",
-                        "-o", converted], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "kvlab.cli", "convert", model, "--to", "mla", "--layout", "kvlab",
+                        "--kv-lora-rank", "full", "-o", converted], check=True, capture_output=True)
         print(f"[convert] {model} -> MLA at full rank (exact)")
         model = converted
     with socket.socket() as s:

@@ -1,4 +1,4 @@
-"""`kvlab convert --to mla` on stories260K (8 query heads, 4 KV heads of 8 channels).
+"""`kvlab convert --to mla --layout kvlab` on stories260K (8 query heads, 4 KV heads of 8 channels).
 
 At full rank the written DeepSeek-V2-format directory reproduces the source's logits; at a
 reduced rank its measured cache bytes equal what `kvlab plan OUT` says; bad ranks are one line,
@@ -40,7 +40,7 @@ def load(path):
 
 
 def convert(stories_path, out, capsys, *flags):
-    assert main(["convert", stories_path, "--to", "mla", *flags, "-o", str(out), "--json"]) == 0
+    assert main(["convert", stories_path, "--to", "mla", "--layout", "kvlab", *flags, "-o", str(out), "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -80,10 +80,11 @@ def test_reduced_rank_cache_bytes_equal_the_plan_of_the_written_config(stories_p
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--to", "mla", "--kv-lora-rank", "0"], "must be between 1 and the full rank 32"),
-    (["--to", "mla", "--kv-lora-rank", "33"], "must be between 1 and the full rank 32"),
-    (["--to", "mla", "--kv-lora-rank", "8", "--rope-dim", "3"], "must be even and between 2 and the head dim 8"),
-    (["--to", "mla"], "needs --kv-lora-rank"),
+    (["--to", "mla", "--layout", "kvlab", "--kv-lora-rank", "0"], "must be between 1 and the full rank 32"),
+    (["--to", "mla", "--layout", "kvlab", "--kv-lora-rank", "33"], "must be between 1 and the full rank 32"),
+    (["--to", "mla", "--layout", "kvlab", "--kv-lora-rank", "8", "--rope-dim", "3"],
+     "must be even and between 2 and the head dim 8"),
+    (["--to", "mla"], "needs one of --kv-lora-rank"),
     (["--to", "mla", "--kv-lora-rank", "8", "--kv-heads", "2"], "separate conversions"),
     (["--kv-lora-rank", "8"], "need --to mla"),
 ])
@@ -101,7 +102,8 @@ def test_transformers_cannot_load_the_extensions_exactly(stories_path, tmp_path,
     convert(stories_path, tmp_path / "g4", capsys, "--kv-lora-rank", "full")
     with pytest.raises(Exception, match="mismatch|size"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "g4", local_files_only=True)
-    assert main(["convert", stories_path, "--kv-heads", "1", "-o", str(tmp_path / "mqa"), "--json"]) == 0
+    assert main(["convert", stories_path, "--kv-heads", "1", "--method", "mean", "-o", str(tmp_path / "mqa"),
+                 "--json"]) == 0
     capsys.readouterr()
     convert(str(tmp_path / "mqa"), tmp_path / "g1", capsys, "--kv-lora-rank", "full")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "g1", local_files_only=True).eval()

@@ -58,3 +58,31 @@ def test_sliced_run_equals_one_run_and_reports_steps_and_tokens(converted, tmp_p
 
 def test_uptrain_refuses_a_folder_without_a_model(tmp_path, capsys):
     assert main(["uptrain", str(tmp_path), "--teacher", "stories260k"]) == 2
+
+
+def test_rerunning_a_slice_command_continues_and_the_checkpoint_holds_only_what_trains(converted, capsys):
+    """The README's slice: the same `--stop-after` command, run twice, does the next steps the second time."""
+    stories, out = converted
+    flags = ["uptrain", str(out), "--teacher", stories, *FLAGS, "--stop-after", "2"]
+    assert main(flags) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 2
+    saved = torch.load(f"{out}.uptrain.pt", weights_only=False)
+    assert set(saved["trained"]) and all(".attn." in name or "norm" in name for name in saved["trained"])
+    assert "model" not in saved  # the frozen weights stay in OUT
+    assert main(flags) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["steps"], report["finished"]) == (4, True)
+    record = json.loads((out.parent / f"{out.name}.uptrain.json").read_text())["record"]
+    assert [entry["tokens"] for entry in record] == [step * 2 * 32 for step in (1, 2, 3, 4)]
+    assert all(entry["val_kl"] >= 0 for entry in record)
+
+
+def test_a_token_budget_sets_the_steps(converted, capsys):
+    stories, out = converted
+    flags = [f for f in FLAGS if f != "--json"][2:]  # without --steps 4
+    assert main(["uptrain", str(out), "--teacher", stories, *flags, "--tokens", "130", "--train", "all",
+                 "--hidden-weight", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["of_steps"], report["tokens"], report["train"]) == (3, 3 * 64, "all")  # ceil(130 / (2 x 32))
+    from kvlab.checkpoints.resolve import load_checkpoint
+    assert report["trainable_parameters"] == load_checkpoint(str(out)).model.config.param_count()

@@ -13,8 +13,9 @@ compares N with the planner's `gpu_kv_cache_tokens` for the same directory and b
 backend: blocks of 128 tokens), then sends the prompts as token ids (so both engines see the
 same input) with temperature 0 and max_tokens 16 and compares vLLM's text with kvlab's greedy
 text for the same directory (dense weights, in fp32 and in bf16; vLLM runs bf16, so a mismatch
-may be precision, and it is recorded, not hidden). `--to mla` conversions are not served: the
-script records `kvlab export --vllm`'s refusal and its reason. The JSON (with provenance) is
+may be precision, and it is recorded, not hidden). `--to mla --layout kvlab` conversions are not
+served: the script records `kvlab export --vllm`'s refusal and its reason (DeepSeek-layout MLA is served
+by reports/conversions, kvlab.report.conversions). The JSON (with provenance) is
 the record; the .md beside it is rendered from the JSON alone. tests/bench/test_vllm_conversions.py
 (slow; skipped without the vLLM venv, even under CI, which has none) runs the original only.
 """
@@ -39,7 +40,7 @@ PROMPTS = (("completion", "The capital of France is"), ("chat", "What is the cap
 MAX_TOKENS = 16
 KV_SPACE_GIB = 1
 START_CAP_S = 480.0
-VARIANTS = {"original": None, "mqa": ["--kv-heads", "1"], "mha": ["--kv-heads", "9"]}
+VARIANTS = {"original": None, "mqa": ["--kv-heads", "1", "--method", "mean"], "mha": ["--kv-heads", "9"]}
 CAPACITY = re.compile(r"(\w+) KV cache size: ([\d,]+) tokens")
 REPORT = Path("reports/real-models/conversions.json")
 
@@ -152,7 +153,8 @@ def _vllm_version(python: str) -> Optional[str]:
 def mla_refusal(workdir: str) -> dict:
     """`kvlab convert --to mla`, then `kvlab export --vllm` on it: the exit code and the one line it prints."""
     out = os.path.join(workdir, "mla")
-    convert = kvlab_cli(["convert", "smollm2-135m", "-o", out, "--to", "mla", "--kv-lora-rank", "full"])
+    convert = kvlab_cli(["convert", "smollm2-135m", "-o", out, "--to", "mla", "--layout", "kvlab", "--kv-lora-rank",
+                         "full"])
     if convert.returncode != 0:
         return {"convert_rc": convert.returncode, "convert_error": convert.stderr.strip()[-500:]}
     export = kvlab_cli(["export", out, "--vllm"])

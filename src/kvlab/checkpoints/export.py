@@ -34,6 +34,15 @@ class Source:
     tokenizer: Optional[Tokenizer]
     path: str
     tokenizer_metadata: Optional[dict[str, Any]]  # a GGUF source's tokenizer.* keys
+    stored_dtype: str = "fp32"  # how the file stores its matrices: fp32, or bf16 for anything narrower
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def output_dtype(requested: str, source: Source) -> torch.dtype:
+    """--dtype: `auto` writes what the source ships (bf16 unless it stores fp32 matrices, like stories260K)."""
+    return DTYPES[source.stored_dtype if requested == "auto" else requested]
 
 
 def load_source(name: str) -> Source:
@@ -44,12 +53,26 @@ def load_source(name: str) -> Source:
 
     path = resolve_model_path(name)
     loaded = load_checkpoint(path, torch.float32, "dense")
-    metadata = None
+    metadata, stored = None, "fp32"
     if not os.path.isdir(path):
         from kvlab.plan.gguf_file import read_gguf_header
         header = read_gguf_header(path, strings=True)
         metadata = {k: v for k, v in header.metadata.items() if k.startswith("tokenizer.")}
-    return Source(loaded.model, loaded.tokenizer, path, metadata)
+        matrices = [t for t in header.tensors.values() if len(t.dims) == 2]
+        stored = "fp32" if all(t.type_name == "F32" for t in matrices) else "bf16"
+    else:
+        stored = _hf_stored_dtype(path)
+    return Source(loaded.model, loaded.tokenizer, path, metadata, stored)
+
+
+def _hf_stored_dtype(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
+            data = json.load(handle)
+        name = data.get("torch_dtype") or data.get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return "fp32"
+    return {"float32": "fp32", "float16": "fp16"}.get(str(name), "bf16")
 
 
 def _training_checkpoint(path: str) -> Source:
@@ -88,8 +111,9 @@ def check_out(out: str, force: bool) -> None:
 
 
 def write_outputs(model: Decoder, source: Source, out: str, gguf: bool, force: bool,
-                  step: Callable[[str], None] = lambda _: None) -> list[str]:
-    """Write OUT atomically; the files written, relative to OUT."""
+                  step: Callable[[str], None] = lambda _: None, dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Write OUT atomically, the safetensors in `dtype` (default: the model's); the files written,
+    relative to OUT. model.gguf is F32 whatever the dtype."""
     from kvlab.checkpoints.hf import save_hf
 
     check_out(out, force)
@@ -99,7 +123,11 @@ def write_outputs(model: Decoder, source: Source, out: str, gguf: bool, force: b
     temporary = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
     try:
         step("safetensors")
-        save_hf(model, temporary, source.tokenizer)
+        if dtype is not None and dtype != model.dtype:
+            from copy import deepcopy
+            save_hf(deepcopy(model).to(dtype), temporary, source.tokenizer)
+        else:
+            save_hf(model, temporary, source.tokenizer)
         _write_generation_config(temporary, source.tokenizer)
         if gguf:
             step("gguf")

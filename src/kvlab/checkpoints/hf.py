@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from kvlab.checkpoints.hf_deepseek import (MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
+from kvlab.checkpoints.hf_deepseek import (FOLDED, MODEL_TYPE as DEEPSEEK, deepseek_config_json, deepseek_model_config,
                                            from_deepseek_state, is_deepseek_family, to_deepseek_state)
 from kvlab.checkpoints.hf_gemma import (MODEL_TYPE as GEMMA3, from_gemma3_state, fused_projections,
                                         gemma3_config_json, gemma3_model_config, is_gemma3_family, to_gemma3_state)
@@ -97,14 +97,16 @@ def to_hf_state(model: Decoder) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous() for name, t in state.items()}
 
 
-def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def from_hf_state(state: dict[str, torch.Tensor], config: ModelConfig,
+                  folded: bool = False) -> dict[str, torch.Tensor]:
+    """HF tensor names -> kvlab's; `folded`: a DeepSeek directory whose latent norm kvlab folded in."""
     def get(name: str) -> torch.Tensor:
         if name not in state:
             raise PlanError(f"model.safetensors lacks {name}")
         return state[name]
 
     if config.attention == "mla":
-        return from_deepseek_state(config, get)
+        return from_deepseek_state(config, get, folded)
     if is_gemma3_family(config):
         return from_gemma3_state(config, get)
 
@@ -167,7 +169,7 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32) -> tuple[Decoder
         except Exception as error:  # noqa: BLE001 - safetensors raises its own error type on a bad file
             raise PlanError(f"{weights_path} is not a readable safetensors file: {error}") from None
         if "kvlab_config" not in data:
-            state = from_hf_state(state, config)
+            state = from_hf_state(state, config, data.get(FOLDED) is True)
         model = Decoder.from_state_dict(config, state)
     except PlanError as error:
         raise PlanError(f"{directory}: {error}") from None

@@ -54,6 +54,16 @@ def full_rank(config: ModelConfig, rope_dim: int) -> int:
 
 def check_mla_request(config: ModelConfig, rank: int, rope_dim: int) -> None:
     """A one-line PlanError for anything the conversion cannot do, before any work."""
+    check_mla_source(config, rope_dim)
+    top = full_rank(config, rope_dim)
+    if not 1 <= rank <= top:
+        raise PlanError(f"--kv-lora-rank {rank} must be between 1 and the full rank {top} "
+                        f"(min of {config.kv_heads} KV heads x (2 x {config.head_size} - {rope_dim}) and hidden "
+                        f"{config.dim})")
+
+
+def check_mla_source(config: ModelConfig, rope_dim: int) -> None:
+    """What any MLA conversion needs of the source (both layouts), and an even rope_dim within the head."""
     if config.attention != "gqa":
         raise PlanError("--to mla converts grouped-query (MHA/GQA/MQA) attention; this model already uses MLA")
     if config.bias:
@@ -67,10 +77,6 @@ def check_mla_request(config: ModelConfig, rank: int, rope_dim: int) -> None:
     d = config.head_size
     if rope_dim % 2 or not 2 <= rope_dim <= d:
         raise PlanError(f"--rope-dim {rope_dim} must be even and between 2 and the head dim {d}")
-    top = full_rank(config, rope_dim)
-    if not 1 <= rank <= top:
-        raise PlanError(f"--kv-lora-rank {rank} must be between 1 and the full rank {top} "
-                        f"(min of {config.kv_heads} KV heads x (2 x {d} - {rope_dim}) and hidden {config.dim})")
 
 
 def rope_channels(head_dim: int, rope_dim: int, style: str) -> tuple[list[int], list[int]]:

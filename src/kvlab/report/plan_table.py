@@ -31,8 +31,15 @@ def _params(count: int) -> str:
 
 def render_plan(result: dict[str, Any], console: Console) -> None:
     model, inputs = result["model"], result["inputs"]
-    title = (f"{model['name']}: {model['layers']} layers, {model['q_heads']} q heads, {model['kv_heads']} KV heads, "
-             f"head dim {model['head_dim']} ({', '.join(model['attention_kinds'])})")
+    if "kv_lora_rank" in model:  # MLA caches a latent, not KV heads: its up-projected heads are not what is stored
+        keys = model.get("rope_key_heads", 1)
+        cached = f"latent {model['kv_lora_rank']} + {keys if keys != 1 else 'one'} RoPE key"
+        title = (f"{model['name']}: {model['layers']} layers, {model['q_heads']} q heads, {cached}"
+                 f"{'s' if keys != 1 else ''} cached, head dim {model['head_dim']} "
+                 f"({', '.join(model['attention_kinds'])})")
+    else:
+        title = (f"{model['name']}: {model['layers']} layers, {model['q_heads']} q heads, {model['kv_heads']} KV "
+                 f"heads, head dim {model['head_dim']} ({', '.join(model['attention_kinds'])})")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("figure")
     table.add_column("value", justify="right")

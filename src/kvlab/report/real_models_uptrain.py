@@ -29,6 +29,9 @@ from kvlab.evals.setting import KVSetting
 from kvlab.files import write_json
 
 STEPS, BATCH, BLOCK, SLICE = 160, 4, 128, 40  # 81,920 tokens; 28 min here (a step ~10 s), in slices of 7
+# the row's recipe as it was run (kvlab uptrain's defaults then: every weight, KL and LM loss half and half,
+# checkpoints every 50 steps); reports/conversions has the recipe that recovers the model
+RECIPE = ["--train", "all", "--alpha", "0.5", "--lr", "3e-4", "--checkpoint-every", "50"]
 TRAIN_TEXT = "pride-and-prejudice.txt"
 SETTING = KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=STEPS)
 
@@ -64,8 +67,8 @@ def run_slice(model: str, text: Path) -> dict:
             raise SystemExit(f"real_models: kvlab convert {model} --kv-heads 1 failed")
     done = (last_report() or {}).get("steps", 0)
     slice_ = kvlab_cli(["uptrain", str(model_dir()), "--teacher", model, "--data", str(text), "--steps", str(STEPS),
-                        "--batch-size", str(BATCH), "--block-size", str(BLOCK),
-                        "--stop-after", str(min(STEPS, done + SLICE)), "--json"], timeout=None, progress=True)
+                        "--batch-size", str(BATCH), "--block-size", str(BLOCK), *RECIPE,
+                        "--stop-after", str(min(SLICE, STEPS - done)), "--json"], timeout=None, progress=True)
     if slice_.returncode != 0:
         raise SystemExit("real_models: kvlab uptrain failed")
     report = json.loads(slice_.stdout)  # its val_lm_loss_before is the conversion's: OUT changes only at the end

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kvlab.checkpoints.convert import METHODS, convert_kv_heads
+from kvlab.checkpoints.convert import WEIGHT_METHODS, convert_kv_heads
 from kvlab.nn.model import Decoder
 from kvlab.studies import gqa_measure as measure
 from kvlab.bench.provenance import git_commit, git_state, load_average, provenance
@@ -85,7 +85,7 @@ class GqaStudy:
         speed = self.cached("decode.json", self.measure_decode)
         self.write_partial(runs, speed)
         cache_bytes = self.cached("cache_bytes.json", self.measure_prefill_bytes)
-        uptraining = [self.uptrain(method, kv) for kv in self.uptrain_targets() for method in METHODS]
+        uptraining = [self.uptrain(method, kv) for kv in self.uptrain_targets() for method in WEIGHT_METHODS]
         control = self.uptrain("none", self.preset.n_heads)
         results = self.assemble(runs, speed, cache_bytes, uptraining, control, complete=True)
         self.finish(results)
