@@ -61,12 +61,13 @@ def shown_commands(text: str) -> list[tuple[str, list[str]]]:
     """(fence language, [command]) for each fence of README.md showing `kvlab ...` commands, in order.
 
     Every fence counts (```bash, ```console, ```text), with or without a `$ ` prompt; a trailing
-    `# comment` is dropped, `a; b` is two commands, leading VAR=value assignments stay. tests/test_readme_commands.py runs them.
+    `# comment` is dropped, a line ending in a backslash goes on on the next, `a; b` is two
+    commands, leading VAR=value assignments stay. tests/test_readme_commands.py runs them.
     """
     found = []
     for match in ANY_FENCE.finditer(text):
         commands = []
-        for line in match.group(2).splitlines():
+        for line in re.sub(r"\\\n\s*", " ", match.group(2)).splitlines():  # `\` continues a line
             shown = COMMAND.match(line.strip())
             if shown:
                 words = shlex.split(shown.group(1), comments=True)

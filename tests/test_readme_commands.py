@@ -128,9 +128,11 @@ SMALLEST: dict[str, list[str]] = {
     "kvlab uptrain s260k-mqa --teacher stories260k --steps 200 --stop-after 100":
         ["kvlab", "uptrain", "s260k-mqa", "--teacher", "stories260k", "--steps", "2", "--stop-after", "1",
          "--teacher-tokens", "256", "--block-size", "16", "--batch-size", "2"],
-    "kvlab uptrain smollm2-mqa --teacher smollm2-135m --data ../shared/data/tinyshakespeare.txt --steps 500":
-        ["kvlab", "uptrain", "smollm2-mqa", "--teacher", "smollm2-135m", "--data", "../shared/data/tinyshakespeare.txt",
-         "--steps", "2", "--block-size", "32", "--batch-size", "2"],
+    "kvlab uptrain smollm2-mqa --teacher smollm2-135m --data ../shared/data/english/pride-and-prejudice.txt "
+    "--tokens 240000 --batch-size 2 --block-size 512 --lr 1e-4 --slice-minutes 18":
+        ["kvlab", "uptrain", "smollm2-mqa", "--teacher", "smollm2-135m", "--data",
+         "../shared/data/english/pride-and-prejudice.txt", "--steps", "2", "--block-size", "32", "--batch-size", "2",
+         "--lr", "1e-4"],
 }
 
 # Sub-commands that take more than a few seconds even at their smallest (SmolLM2 loads, training, servers).
