@@ -42,7 +42,7 @@ def backend() -> str:
     """The backend setting in force: KVLAB_MATMUL_BACKEND, default auto."""
     value = os.environ.get("KVLAB_MATMUL_BACKEND", "auto")
     if value not in BACKENDS:
-        raise ValueError(f"KVLAB_MATMUL_BACKEND is {' , '.join(BACKENDS)}, not {value!r}")
+        raise ValueError(f"KVLAB_MATMUL_BACKEND is one of {', '.join(BACKENDS)}, not {value!r}")
     return value
 
 
@@ -80,8 +80,11 @@ def library_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _key(layer) -> str:
+    """The machine, library and shape a crossover belongs to. Not the thread count: the thread
+    governor (kvlab.nn.threads) runs some steps on one thread, and a step must never stop to
+    measure; a measurement records the threads it ran on."""
     dtype = str(library_dtype()).removeprefix("torch.")
-    return (f"{_cpuinfo('model name')}|torch {torch.__version__}|threads {torch.get_num_threads()}|{dtype}|"
+    return (f"{_cpuinfo('model name')}|torch {torch.__version__}|{dtype}|"
             f"{layer.kind}/{layer.activations} {layer.out_features}x{layer.in_features}")
 
 
@@ -105,7 +108,8 @@ def measure(layer) -> dict:
     winning = [rows for rows in ROWS if times[rows][1] < times[rows][0]]
     # the smallest row count from which the library wins at every larger count measured
     crossover = next((r for r in ROWS if all(s in winning for s in ROWS if s >= r)), NEVER)
-    return {"crossover": crossover, "seconds": {str(r): list(t) for r, t in times.items()}}
+    return {"crossover": crossover, "threads": torch.get_num_threads(),
+            "seconds": {str(r): list(t) for r, t in times.items()}}
 
 
 def _load(path: Path) -> dict:
