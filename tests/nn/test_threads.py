@@ -74,3 +74,10 @@ def test_a_step_restores_the_threads():
     with g.step("k") as chosen:
         assert torch.get_num_threads() == chosen
     assert torch.get_num_threads() == before
+
+
+def test_a_large_step_runs_on_all_threads_and_is_not_recorded():
+    g = ThreadGovernor(threads=torch.get_num_threads(), adaptive=True)
+    with g.step("prefill", tokens=2048) as chosen:
+        assert chosen == g.threads
+    assert "prefill" not in g.times and g.single_threaded_steps == 0

@@ -334,7 +334,8 @@ class LLMEngine:
         """The model's part of a step: each sequence's draws, or the error it raised."""
         scheduled = planned.scheduled
         try:
-            with self.threads.step(step_kind(len(scheduled.seqs), sum(scheduled.num_tokens))):
+            tokens = sum(scheduled.num_tokens)
+            with self.threads.step(step_kind(len(scheduled.seqs), tokens), tokens):
                 return self.runner.run(scheduled)
         except Exception as error:  # noqa: BLE001 - the failing requests fail; the engine and others go on
             log.exception("a model step failed")

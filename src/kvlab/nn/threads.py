@@ -14,7 +14,11 @@ other choice now and then to see whether the machine changed (after 16 steps, th
 each time it loses again, up to 1,024, and never more often than keeps its runs to a tenth of the
 time: on a shared machine one step on all threads can cost a hundred steps on one), and uses the
 faster. One thread is tried first: on a quiet machine that first step costs under twice a step,
-where the other order could cost a hundred. torch and the C
+where the other order could cost a hundred. A large step (LARGE_STEP_TOKENS fed tokens or more:
+a prompt, compute-bound, a few per run) is not governed and always runs on all threads: tried
+on one thread first, a 2,048-token prefill of 16 requests cost 6.6 s against about 3 on two, a
+third of a whole 16-request run (`kvlab bench shared-cpu` caught it), and beside a busy core its
+few barriers cost it less than the lost core would. torch and the C
 kernels share one OpenMP runtime (torch's libgomp is loaded first), so `torch.set_num_threads`
 governs both. `KVLAB_THREADS=fixed` or an explicit thread count (`--threads N`, `threads=` in
 `LLM(...)`, both through `fix_threads`) turns it off: every step then runs on the threads set.
@@ -32,6 +36,7 @@ import torch
 FIRST_PROBE, LAST_PROBE = 16, 1024  # steps of one kind between runs of the other choice: doubled while it loses
 PROBE_SHARE = 0.1  # at most this share of the time goes to runs of the losing choice
 SMOOTHING = 0.3  # weight of the newest time in a choice's moving average
+LARGE_STEP_TOKENS = 64  # steps feeding this many tokens or more try all threads first (module doc)
 _FIXED: list[int] = []  # the thread count a user set (fix_threads), which turns the governor off
 
 
@@ -96,9 +101,11 @@ class ThreadGovernor:
         self.single_threaded_steps += threads == 1
 
     @contextmanager
-    def step(self, key: Hashable) -> Iterator[int]:
-        """Run the body on the chosen threads, time it, restore the threads."""
-        threads = self.choose(key)
+    def step(self, key: Hashable, tokens: int = 1) -> Iterator[int]:
+        """Run the body (a step feeding `tokens` tokens) on the chosen threads, time it, restore the
+        threads. A large step runs on all threads, unrecorded (module doc)."""
+        large = tokens >= LARGE_STEP_TOKENS
+        threads = self.threads if large else self.choose(key)
         if threads != self.threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
@@ -108,7 +115,7 @@ class ThreadGovernor:
             elapsed = time.perf_counter() - start
             if threads != self.threads:
                 torch.set_num_threads(self.threads)
-            if self.adaptive:
+            if self.adaptive and not large:
                 self.record(key, threads, elapsed)
 
 
