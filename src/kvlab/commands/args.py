@@ -84,3 +84,14 @@ def positive_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers such as 1,4,16, got {text!r}")
     return values
+
+
+def unit_interval(text: str) -> float:
+    """A number in (0, 1]: a probability as --top-p takes it (vLLM's range), a fraction of a cache."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from kvlab.commands.args import non_negative_int, positive_int
+from kvlab.commands.args import non_negative_int, positive_int, unit_interval
 
 EXAMPLES = """examples:
   kvlab convert smollm2-135m --kv-heads 1 -o smollm2-mqa              # GQA (3 KV heads) -> MQA, aligned
@@ -60,15 +60,6 @@ def rank_or_full(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'full', got {text!r}") from None
 
 
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=__doc__.split("\n\n")[1],
@@ -88,7 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
                              "exact one")
     parser.add_argument("--kv-lora-rank", type=rank_or_full, metavar="R",
                         help="--to mla: latent channels, or 'full'")
-    parser.add_argument("--kv-cache-fraction", type=fraction, metavar="F",
+    parser.add_argument("--kv-cache-fraction", type=unit_interval, metavar="F",
                         help="--to mla: cache F of the source's bytes per token (sets the rank)")
     parser.add_argument("--rope-dim", type=int, metavar="D",
                         help="--to mla: RoPE channels (deepseek: of the one shared key, default the head dim, or "

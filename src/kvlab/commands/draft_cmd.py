@@ -104,6 +104,18 @@ def _write_json(path, result: dict) -> None:
         write_json(Path(path), result)
 
 
+def _corpus_incomplete(args: argparse.Namespace, result: dict) -> bool:
+    """Whether training must wait for more corpus shards (--partial-corpus trains on what there is);
+    if so, says so and records the result with its status."""
+    manifest = result["corpus"]
+    if manifest["complete"] or (args.partial_corpus and manifest["shards_present"]):
+        return False
+    result["status"] = "corpus incomplete"
+    print(f"corpus: {manifest['shards_present']}/{manifest['shards_total']} shards; run again to continue")
+    _write_json(args.json, result)
+    return True
+
+
 def run_corpus(args: argparse.Namespace) -> int:
     from kvlab.draft.corpus import build_corpus
     config, directory = _corpus(args)
@@ -133,10 +145,7 @@ def run_train(args: argparse.Namespace) -> int:
     manifest = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
     result = {"command": "kvlab " + " ".join(sys.argv[1:]), "size": args.size, "objective": args.objective, "out": args.out,
               "corpus": manifest, "steps": args.steps}
-    if not manifest["complete"] and not (args.partial_corpus and manifest["shards_present"]):
-        result["status"] = "corpus incomplete"
-        print(f"corpus: {manifest['shards_present']}/{manifest['shards_total']} shards; run again to continue")
-        _write_json(args.json, result)
+    if _corpus_incomplete(args, result):
         return 0
     train, val = split_records(trainable(load_records(corpus_config, directory)))
     teacher = load_model(args.teacher, torch.float32, "dense")

@@ -44,7 +44,7 @@ def text_pieces(tokenizer, paths: list[str], tokens_each: int) -> list[list[int]
 def run_train_eagle(args: argparse.Namespace) -> int:
     import torch
 
-    from kvlab.commands.draft_cmd import _corpus, _write_json
+    from kvlab.commands.draft_cmd import _corpus, _corpus_incomplete, _write_json
     from kvlab.draft.corpus import build_corpus, load_records
     from kvlab.draft.distill import split_records, trainable
     from kvlab.draft.eagle_train import (EagleTrainConfig, EagleTrainer, draft_vocabulary, evaluate,
@@ -57,10 +57,7 @@ def run_train_eagle(args: argparse.Namespace) -> int:
     corpus_config, directory = _corpus(args)
     manifest = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
     result = {"command": "kvlab " + " ".join(sys.argv[1:]), "method": "eagle", "out": args.out, "corpus": manifest}
-    if not manifest["complete"] and not (args.partial_corpus and manifest["shards_present"]):
-        result["status"] = "corpus incomplete"
-        print(f"corpus: {manifest['shards_present']}/{manifest['shards_total']} shards; run again to continue")
-        _write_json(args.json, result)
+    if _corpus_incomplete(args, result):
         return 0
     train_records, val_records = split_records(trainable(load_records(corpus_config, directory)))
     model, tokenizer = load_for_engine(args.teacher)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvlab.checkpoints.tokenizer import prompt_ids
-from kvlab.commands.args import non_negative_int, positive_int
+from kvlab.commands.args import non_negative_int, positive_int, unit_interval
 from kvlab.commands.lab_args import add_lab_arguments, load_from_args
 from kvlab.plan.errors import PlanError
 
@@ -27,16 +27,6 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
     return value
 
-
-def unit_interval(text: str) -> float:
-    """A probability in (0, 1], as --top-p takes it (vLLM's range for top_p)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:
