@@ -5,7 +5,9 @@
 #   PIECES="kv spec" scripts/serving_report.sh     # only some pieces, then the README again
 #
 # Pieces (each its own JSON, each under the heavy lock so timings stay honest):
-#   peers128 peers1024  kvlab vs llama.cpp (both interrupt modes), transformers and vLLM servers, one prompt length
+#   peers128 peers1024  kvlab vs llama-server, llama-cpp-python (both interrupt modes), transformers and vLLM servers, one prompt length
+#   llamaserver         kvlab (defaults) vs llama.cpp's C++ llama-server (scripts/build_llama_server.sh), 128- and
+#                       1,024-token prompts, concurrency 1/4/16/32, 64 output tokens
 #   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
 #   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats, and at 64 streaming in fours,
 #                       vs llama.cpp's serialised server, at 16
@@ -24,7 +26,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
+PIECES=${PIECES:-"peers128 peers1024 llamaserver a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
 BASE=${BASE:-ef3f4bc}  # the last commit before vLLM's request fields (issue 39): the `plain` piece's baseline
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
@@ -38,6 +40,10 @@ for piece in $PIECES; do
         # fp16 KV, as llama.cpp's server keeps by default (kvlab's "auto" would be its fp32 activations)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --input-len "${piece#peers}" --max-concurrency 1,4,16,32 \
             --kvlab-args "--kv-cache-dtype fp16" "${COMMON[@]}" --json "$OUT/compare_$piece.json" ;;
+    llamaserver)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama-server --input-len 128,1024 \
+            --max-concurrency 1,4,16,32 --num-prompts 1x --output-len 64 --disable-tqdm \
+            --json "$OUT/compare_llama_server.json" ;;
     a8)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama.cpp-serial --input-len 128,1024 \
             --max-concurrency 16 --kvlab-args "--kv-cache-dtype fp16 --weights gguf-a8" "${COMMON[@]}" \

@@ -109,3 +109,23 @@ def test_sigterm_during_a_sweep_is_handled_as_ctrl_c_and_the_old_handler_comes_b
             os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler before the next statement
             pytest.fail("SIGTERM did not interrupt")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_llama_server_peer_runs_the_binary_found_with_slots_or_says_how_to_build_it(tmp_path, monkeypatch):
+    from kvlab.bench import peers
+
+    monkeypatch.setattr(peers, "DEFAULT_LLAMA_SERVER", str(tmp_path / "absent"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("KVLAB_LLAMA_SERVER", raising=False)
+    skipped = peers.known_peer("llama-server", 8000, "m.gguf", None, 2, "m")
+    assert isinstance(skipped, peers.Skipped) and "scripts/build_llama_server.sh" in skipped.reason
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("KVLAB_LLAMA_SERVER", str(binary))
+    peer = peers.known_peer("llama-server", 8000, "m.gguf", None, 2, "m")
+    argv = peer.argv
+    assert argv[0] == str(binary) and argv[argv.index("--model") + 1] == "m.gguf"
+    assert argv[argv.index("-np") + 1] == str(peers.LLAMA_SERVER_SLOTS)
+    assert int(argv[argv.index("-c") + 1]) == peers.LLAMA_SERVER_SLOTS * 2048  # every slot holds 1,024 + output
+    assert (argv[argv.index("-t") + 1], argv[argv.index("--port") + 1]) == ("2", "8000")

@@ -1,8 +1,9 @@
 """The servers `kvlab bench compare` puts side by side, and how each one is started and stopped.
 
 A peer is a command line that serves an OpenAI-compatible API on a loopback port. Each known
-peer says how a new user would start it on the same model: kvlab's own server and llama.cpp's
-(llama-cpp-python[server], twice: with its default `interrupt_requests`, where a new request
+peer says how a new user would start it on the same model: kvlab's own server; llama.cpp's own C++
+`llama-server` (continuous batching over `-np` slots: the llama.cpp peer users run; built by
+scripts/build_llama_server.sh); llama-cpp-python's server (twice: with its default `interrupt_requests`, where a new request
 cancels the one streaming, and with `--interrupt_requests False`, where it serialises) serve
 the GGUF; transformers' `transformers serve --continuous-batching` and vLLM (from a venv of its
 own, scripts/setup_vllm_venv.sh) serve an HF directory exported from it (`hf_export`). A peer
@@ -29,8 +30,10 @@ import httpx
 
 from kvlab.bench.serve_data import BenchError
 
-KNOWN_PEERS = ("kvlab", "llama.cpp", "llama.cpp-serial", "transformers", "vllm")
+KNOWN_PEERS = ("kvlab", "llama-server", "llama.cpp", "llama.cpp-serial", "transformers", "vllm")
 DEFAULT_VLLM_PYTHON = "/work/venv-vllm/bin/python"
+DEFAULT_LLAMA_SERVER = "/work/peers/llama-server"
+LLAMA_SERVER_SLOTS = 32  # -np: one slot per request up to the sweep's highest concurrency
 
 
 @dataclass
@@ -77,6 +80,16 @@ def vllm_python(explicit: Optional[str] = None) -> str:
     return explicit or os.environ.get("KVLAB_VLLM_PYTHON") or DEFAULT_VLLM_PYTHON
 
 
+def llama_server_binary() -> Optional[str]:
+    """$KVLAB_LLAMA_SERVER, else `llama-server` on PATH, else scripts/build_llama_server.sh's default output."""
+    import shutil
+
+    for candidate in (os.environ.get("KVLAB_LLAMA_SERVER"), shutil.which("llama-server"), DEFAULT_LLAMA_SERVER):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
 def known_peer(name: str, port: int, gguf: str, hf_dir: Optional[str], threads: int, served_name: str,
                kv_cache_memory: str = "1GiB", vllm_py: Optional[str] = None,
                kvlab_flags: tuple[str, ...] = ()) -> "Peer | Skipped":
@@ -87,6 +100,17 @@ def known_peer(name: str, port: int, gguf: str, hf_dir: Optional[str], threads: 
                            served_name, "--threads", str(threads), "--kv-cache-memory", kv_cache_memory,
                            "--log-level", "warning", *kvlab_flags], "GGUF weights (kvlab's packed kernels)",
                     vllm_extras=True)
+    if name == "llama-server":
+        binary = llama_server_binary()
+        if binary is None:
+            return Skipped(name, "no llama-server binary (scripts/build_llama_server.sh builds it; or set "
+                                 "KVLAB_LLAMA_SERVER)")
+        # 2,048 tokens of context per slot: a 1,024-token prompt and its output fit in one
+        slots = LLAMA_SERVER_SLOTS
+        return Peer(name, [binary, "--model", gguf, *host, "--alias", served_name, "-np", str(slots), "-c",
+                           str(slots * 2048), "-t", str(threads), "-tb", str(threads), "--no-webui"],
+                    f"same GGUF, llama.cpp's C++ server, {slots} slots of 2,048 tokens (continuous batching)",
+                    vllm_extras=False)
     if name in ("llama.cpp", "llama.cpp-serial"):
         missing = _has("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "fastapi", "uvicorn")
         if missing:

@@ -10,8 +10,8 @@ import sys
 from kvlab.files import write_json
 from kvlab.commands.args import comma_list, non_negative_int, positive_float, positive_int, positive_int_list
 
-COMPARE_HELP = ("start kvlab's server and its peers (llama.cpp, transformers, vLLM) on the same model and run the "
-                "same serving sweep against each: one table, one JSON")
+COMPARE_HELP = ("start kvlab's server and its peers (llama-server, llama.cpp, transformers, vLLM) on the same "
+                "model and run the same serving sweep against each: one table, one JSON")
 
 
 def prompts_count(text: str) -> tuple[str, int]:
@@ -26,9 +26,10 @@ def add_parser(benches) -> None:
                            "missing are skipped with a message. The client is `kvlab bench serve`'s.")
     p.add_argument("model", help="a kvlab model name or GGUF file (e.g. smollm2-135m)")
     peers = p.add_argument_group("peers")
-    peers.add_argument("--peers", type=comma_list, default=["kvlab", "llama.cpp", "llama.cpp-serial",
-                                                            "transformers", "vllm"],
-                       help="of kvlab, llama.cpp (default interrupt_requests), llama.cpp-serial "
+    peers.add_argument("--peers", type=comma_list, default=["kvlab", "llama-server", "llama.cpp",
+                                                            "llama.cpp-serial", "transformers", "vllm"],
+                       help="of kvlab, llama-server (llama.cpp's C++ server), llama.cpp (llama-cpp-python, default "
+                            "interrupt_requests), llama.cpp-serial "
                             "(--interrupt_requests False), transformers, vllm (default: all)")
     peers.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
                        help="another server to start: a command with {port} (and {gguf}, {hf_dir}, {threads}, "
