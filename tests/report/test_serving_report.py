@@ -116,3 +116,19 @@ def test_the_bound_holds_the_c_steps_ceiling_against_the_seats_sweeps_peer(tmp_p
     (tmp_path / "compare_seats.json").write_text(json.dumps(_compare(peers)))
     assert ("under the 125.0 asked; it would need prefill at 1.051 ms per prompt token, 1.19x the speed measured."
             in render(tmp_path))
+
+
+def test_llama_server_verdicts_hold_each_level_to_its_own_target_and_say_when_the_peer_gave_nothing():
+    from kvlab.report.serving_llama_server import llama_server_verdicts
+
+    failed = {**_run(32, 0.0, 0.0, 0.0), "completed": 0, "failed": 32}
+    peers = [{"name": "kvlab", "status": "ran", "runs": [_run(1, 15.0, 50.0, 10.0), _run(4, 50.0, 1.0, 1.0),
+                                                         _run(16, 240.0, 90.0, 40.0), _run(32, 20.0, 9.0, 9.0)]},
+             {"name": "llama-server", "status": "ran", "runs": [_run(1, 10.0, 60.0, 11.0), _run(4, 10.0, 1.0, 1.0),
+                                                                _run(16, 100.0, 95.0, 50.0), failed]}]
+    result = {"peers": peers, "cells": ratios(peers, [(128, 1), (128, 4), (128, 16), (128, 32)])}
+    lines = llama_server_verdicts(result)
+    assert len(lines) == 3  # concurrency 4 has no target
+    assert "**1.50x** (target 1.5x: met)" in lines[0]
+    assert "**2.40x** (target 2.5x: NOT met)" in lines[1]
+    assert "completed none of its 32 requests" in lines[2] and "no ratio" in lines[2]

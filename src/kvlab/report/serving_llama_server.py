@@ -1,0 +1,55 @@
+"""The serving report's section on llama.cpp's own C++ server: the matrix-engine issue's targets against it.
+
+The issue asks kvlab to serve at least 1.5x llama-server's output tokens at concurrency 1 and 2.5x at 16
+and 32, and its TPOT at concurrency 1 to be within 15% of kvlab's in-process step. The sweep is one
+`kvlab bench compare --peers kvlab,llama-server` run (both servers up, taking turns per cell), so each
+ratio is of the same minute on the same machine.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kvlab.report.serving_cells import provenance_text, run_of
+
+PEER = "llama-server"
+TARGETS = {1: 1.5, 16: 2.5, 32: 2.5}  # concurrency -> kvlab's output tok/s over llama-server's
+
+
+def llama_server_verdicts(result: dict) -> list[str]:
+    """One line per cell with a target: kvlab's output tok/s over llama-server's, met or not, and TPOTs."""
+    peers = {p["name"]: p for p in result["peers"] if p["status"] == "ran"}
+    if "kvlab" not in peers or PEER not in peers:
+        return []
+    lines = []
+    for cell in result["cells"]:
+        target = TARGETS.get(cell["max_concurrency"])
+        mine, theirs = run_of(peers["kvlab"], cell), run_of(peers[PEER], cell)
+        if target is None or mine is None or theirs is None:
+            continue
+        head = f"- prompt {cell['input_len']}, concurrency {cell['max_concurrency']}: kvlab " \
+               f"{mine['output_throughput']:.1f} output tok/s, {PEER} {theirs['output_throughput']:.1f}"
+        if not theirs["completed"]:
+            lines.append(f"{head}: {PEER} completed none of its {theirs['failed']} requests within the client's "
+                         f"request timeout, so no ratio (target {target:g}x).")
+            continue
+        ratio = mine["output_throughput"] / theirs["output_throughput"]
+        verdict = "met" if ratio >= target else "NOT met"
+        lines.append(f"{head}: **{ratio:.2f}x** (target {target:g}x: {verdict}); mean TPOT "
+                     f"{mine['mean_tpot_ms']:.1f} against {theirs['mean_tpot_ms']:.1f} ms, mean TTFT "
+                     f"{mine['mean_ttft_ms']:,.0f} against {theirs['mean_ttft_ms']:,.0f} ms.")
+    return lines
+
+
+def llama_server_section(result: Optional[dict], table_lines: list[str]) -> list[str]:
+    """The section: what ran, the compare table (`table_lines`, rendered by the caller), the verdicts."""
+    lines = ["## llama.cpp's own server (llama-server)", ""]
+    if result is None:
+        return lines + ["Not measured yet: `scripts/build_llama_server.sh`, then "
+                        "`PIECES=llamaserver scripts/serving_report.sh`.", ""]
+    return lines + [
+        "`kvlab serve` with its defaults against llama.cpp's C++ server on the same GGUF (`llama-server -np 32`, "
+        "continuous batching over 32 slots of 2,048 tokens, built by `scripts/build_llama_server.sh`: AVX2, "
+        "AVX-512 and AMX off), 64 tokens out, the two servers taking turns per cell. Client, servers and "
+        "model share the machine's 2 cores.", "", f"Measured at {provenance_text(result)}.", "", *table_lines, "",
+        *llama_server_verdicts(result), ""]
