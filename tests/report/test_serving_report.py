@@ -132,3 +132,15 @@ def test_llama_server_verdicts_hold_each_level_to_its_own_target_and_say_when_th
     assert "**1.50x** (target 1.5x: met)" in lines[0]
     assert "**2.40x** (target 2.5x: NOT met)" in lines[1]
     assert "completed none of its 32 requests" in lines[2] and "no ratio" in lines[2]
+
+
+def test_gemma_section_holds_concurrency_16_to_twice_the_best_peer():
+    from kvlab.report.serving_llama_server import gemma_section
+
+    peers = [{"name": "kvlab", "status": "ran", "runs": [_run(1, 20.0, 1.0, 1.0), _run(16, 60.0, 1.0, 1.0)]},
+             {"name": "llama-server", "status": "ran", "runs": [_run(1, 5.0, 1.0, 1.0), _run(16, 20.0, 1.0, 1.0)]},
+             {"name": "vllm", "status": "ran", "runs": [_run(1, 7.0, 1.0, 1.0), _run(16, 31.0, 1.0, 1.0)]}]
+    result = {"peers": peers, "cells": ratios(peers, [(128, 1), (128, 16)]), "provenance": PROV}
+    page = "\n".join(gemma_section(result, []))
+    assert "**1.94x** the best peer (vllm, 31.0 output tok/s); target 2x: NOT met" in page
+    assert "Not measured yet" in "\n".join(gemma_section(None, []))

@@ -53,3 +53,27 @@ def llama_server_section(result: Optional[dict], table_lines: list[str]) -> list
         "AVX-512 and AMX off), 64 tokens out, the two servers taking turns per cell. Client, servers and "
         "model share the machine's 2 cores.", "", f"Measured at {provenance_text(result)}.", "", *table_lines, "",
         *llama_server_verdicts(result), ""]
+
+
+GEMMA_TARGET = (16, 2.0)  # the keystone issue's: at concurrency 16, kvlab at least 2x the best peer
+
+
+def gemma_section(result: Optional[dict], table_lines: list[str]) -> list[str]:
+    """Gemma 3 270M (sliding and global layers in one pool) against llama-server and vLLM on the same model."""
+    lines = ["## Gemma 3 270M against llama-server and vLLM", ""]
+    if result is None:
+        return lines + ["Not measured yet: `PIECES=gemma scripts/serving_report.sh`.", ""]
+    lines += ["`kvlab serve gemma-3-270m` (its sliding and global layers in one pool, decoded by the C step) "
+              "against llama-server on the same Q4_K_M GGUF and vLLM on kvlab's bf16 HF export, 128-token prompts, "
+              "64 tokens out, the servers taking turns per cell. Client, servers and model share the machine's "
+              "2 cores.", "", f"Measured at {provenance_text(result)}.", "", *table_lines, ""]
+    level, target = GEMMA_TARGET
+    for cell in result["cells"]:
+        best = cell["best_peer"]
+        if cell["max_concurrency"] != level or not best:
+            continue
+        ratio = cell["kvlab_over_peer"][best["name"]]
+        lines.append(f"- prompt {cell['input_len']}, concurrency {level}: **{ratio:.2f}x** the best peer "
+                     f"({best['name']}, {best['output_throughput']:.1f} output tok/s); target {target:g}x: "
+                     f"{'met' if ratio >= target else 'NOT met'}.")
+    return lines + [""]

@@ -21,7 +21,7 @@ from kvlab.files import write_atomic
 from kvlab.report.markdown import table
 from kvlab.report.serving_cells import provenance_text, run_of
 from kvlab.report.serving_fields import lm_eval_lines, plain_lines, structured_lines
-from kvlab.report.serving_llama_server import llama_server_section
+from kvlab.report.serving_llama_server import gemma_section, llama_server_section
 from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
 
 
@@ -236,6 +236,8 @@ def render(folder: Path) -> str:
                   *target_lines(result), ""]
     llama_server = _load(folder, "compare_llama_server.json")
     lines += llama_server_section(llama_server, compare_table(llama_server) if llama_server else [])
+    gemma = _load(folder, "compare_gemma.json")
+    lines += gemma_section(gemma, compare_table(gemma) if gemma else [])
     a8 = _load(folder, "compare_a8.json")
     lines += variant_section(a8, "int8 activations (`--weights gguf-a8`) against llama.cpp's serialised server",
                              "`kvlab serve --kv-cache-dtype fp16 --weights gguf-a8` (`kvlab`): the 4-bit blocks' "
