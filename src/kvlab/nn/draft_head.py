@@ -66,7 +66,8 @@ def save_head(head: nn.Module, directory: str, extra: Optional[dict] = None) -> 
     path = Path(directory)
     tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
     write_atomic(path / "model.safetensors", save(tensors))
-    meta = {"architecture": head.ARCHITECTURE, **asdict(head.config), **(extra or {})}
+    meta = {"architecture": head.ARCHITECTURE, **asdict(head.config), "param_count": head.config.param_count(),
+            **(extra or {})}  # param_count: what `kvlab plan --draft HEAD` reads (kvlab.plan.draft_heads)
     write_atomic(path / "config.json", json.dumps(meta, indent=2, default=str) + "\n")
 
 
