@@ -78,6 +78,15 @@ SMALLEST: dict[str, list[str]] = {
     "--max-minutes 10":
         ["kvlab", "draft", "train", "--method", "eagle", "--steps", "2", "--batch-size", "2", "--eval-every", "1",
          "--text", "novel.txt", "--text-tokens", "512", "--out", "eagle-head", *SMALL_DRAFT],
+    "kvlab draft train --method medusa --corpus-shards 8 --steps 600 --batch-size 16 --lr 2e-3 --text "
+    "../shared/data/english/frankenstein.txt --text-tokens 16384 --out '~/.cache/kvlab/drafts/smollm2-medusa' "
+    "--max-minutes 14":
+        ["kvlab", "draft", "train", "--method", "medusa", "--steps", "2", "--batch-size", "2", "--eval-every", "1",
+         "--text", "novel.txt", "--text-tokens", "512", "--out", "medusa-head", *SMALL_DRAFT],
+    "kvlab serve smollm2-135m --speculative-config '{\"method\": \"medusa\", \"model\": "
+    "\"~/.cache/kvlab/drafts/smollm2-medusa\", \"num_speculative_tokens\": 2}'":
+        ["kvlab", "serve", "smollm2-135m", "--speculative-config",
+         '{"method": "medusa", "model": "medusa-head", "num_speculative_tokens": 2}'],
     "kvlab serve smollm2-135m --speculative-config '{\"method\": \"eagle\", \"model\": "
     "\"~/.cache/kvlab/drafts/smollm2-eagle\", \"num_speculative_tokens\": 2}'":
         ["kvlab", "serve", "smollm2-135m", "--speculative-config",

@@ -106,7 +106,7 @@ def test_sampled_speculation_is_seed_reproducible_and_frees_the_pool(stories_mod
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("bad", ['{"method": "medusa"}', '{"method": "ngram", "num_speculative_tokens": 0}',
+@pytest.mark.parametrize("bad", ['{"method": "tree"}', '{"method": "medusa"}', '{"method": "ngram", "num_speculative_tokens": 0}',
                                  '{"method": "draft_model"}', '{"method": "ngram", "k": 3}', "not json", "[1]"])
 def test_bad_speculative_configs_are_one_line_errors(bad):
     with pytest.raises(RequestError) as caught:

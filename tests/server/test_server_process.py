@@ -113,6 +113,6 @@ def test_bad_speculative_config_is_a_one_line_error():
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-m", "kvlab.cli", "serve", str(STORIES), "--speculative-config",
-                           '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+                           '{"method": "tree"}'], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "speculative method must be one of" in done.stderr
     assert "Traceback" not in done.stderr

@@ -1,6 +1,13 @@
 """An EAGLE head on SmolLM2-135M: acceptance per draft position and the batch-1 greedy chat speed-up.
 
     flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.eagle --out reports/speculative/eagle
+    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.eagle --method eagle medusa --batch 1 4 \
+        --temperature 0 0.7 1.0 --out reports/speculative/heads   # both head kinds, batch 4, sampling
+
+With --method medusa too (a head set from `kvlab draft train --method medusa`, --medusa-head), --batch
+and --temperature, every (batch, temperature) cell runs plain decoding and each method at each k in
+the same round; a speed-up is against the plain runs of its own cell. A Medusa pass (k heads and their
+shared LM head, one row) is timed like an EAGLE round.
 
 Held-out ShareGPT first turns (never in the head's training split), greedy, batch 1, EOS
 ignored. Runs are interleaved in one process: plain decoding, then the head at each k, and
@@ -35,7 +42,7 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
     from kvlab.nn.fused_decode import embed_rows
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1,
                                                       speculative_config={"method": "eagle", "model": head_path}))
-    eagle = engine.runner.eagle
+    eagle = engine.runner.head_proposer
     w, dim = eagle.window, model.config.dim
     emb, hid = torch.randn(1, w, dim), torch.randn(1, w, dim)
 
@@ -46,7 +53,38 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
     return 1e3 * statistics.median(timed(one, iterations) for _ in range(repetitions))
 
 
+@torch.inference_mode()
+def medusa_pass_ms(model, tokenizer, head_path: str, k: int, repetitions: int = 7, iterations: int = 20) -> float:
+    """Milliseconds for one Medusa pass drafting k tokens for one sequence: k residual heads, one shared LM head."""
+    from kvlab.bench.spec_costs import timed
+    from kvlab.engine import EngineConfig, LLMEngine
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1,
+                                                      speculative_config={"method": "medusa", "model": head_path,
+                                                                          "num_speculative_tokens": k}))
+    head = engine.runner.head_proposer.head
+    hidden = torch.randn(1, model.config.dim)
+    head(hidden, k)
+    return 1e3 * statistics.median(timed(lambda: head(hidden, k), iterations) for _ in range(repetitions))
+
+
+def head_costs(model, tokenizer, args) -> dict:
+    """Per method, milliseconds per head pass by k (an EAGLE round does not depend on k)."""
+    out = {}
+    if "eagle" in args.method:
+        ms = head_round_ms(model, tokenizer, args.head)
+        out["eagle"] = {str(k): ms for k in args.k}
+    if "medusa" in args.method:
+        out["medusa"] = {str(k): medusa_pass_ms(model, tokenizer, args.medusa_head, k) for k in args.k}
+    return out
+
+
+def head_path(args, method: str) -> str:
+    return args.head if method == "eagle" else args.medusa_head
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.method != ["eagle"] or args.batch != [1] or args.temperature != [0.0]:
+        return run_grid(args)
     from kvlab.bench.provenance import provenance
     from kvlab.bench.spec_costs import measure_step_costs
     from kvlab.bench.speculative import run_once, workload_prompts
@@ -105,7 +143,129 @@ def run(args: argparse.Namespace) -> dict:
             "results": results, "provenance": provenance()}
 
 
+def run_grid(args: argparse.Namespace) -> dict:
+    """Every (batch, temperature) cell: plain decoding and each method at each k, interleaved per round."""
+    from kvlab.bench.provenance import provenance
+    from kvlab.bench.spec_costs import measure_step_costs
+    from kvlab.bench.speculative import run_once, workload_prompts
+    from kvlab.checkpoints.resolve import load_model
+    from kvlab.plan.speculative import acceptance_needed
+    from kvlab.train.progress import progress_bar
+
+    torch.manual_seed(0)
+    loaded = load_model(args.model, torch.float32, "gguf")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    prompts = workload_prompts(tokenizer, "chat", args.prompts)
+    context = round(sum(map(len, prompts)) / len(prompts)) + args.max_tokens // 2
+    costs = measure_step_costs(model, tokenizer, {}, context)
+    head_ms = head_costs(model, tokenizer, args)
+    cells = [(b, t) for b in args.batch for t in args.temperature]
+    plain = {c: [] for c in cells}
+    runs = {(m, k, b, t): [] for m in args.method for k in args.k for b, t in cells}
+    bar = progress_bar(args.rounds * len(cells) * (1 + len(args.method) * len(args.k)) + len(cells), "heads",
+                       unit="run", enabled=sys.stderr.isatty())
+    for _ in range(args.rounds):
+        for b, t in cells:
+            plain[b, t].append(run_once(model, tokenizer, prompts, t, args.max_tokens, None, b))
+            bar and bar.update(1)
+            for m in args.method:
+                for k in args.k:
+                    spec = {"method": m, "model": head_path(args, m), "num_speculative_tokens": k}
+                    runs[m, k, b, t].append(run_once(model, tokenizer, prompts, t, args.max_tokens, spec, b))
+                    bar and bar.update(1)
+    for b, t in cells:  # a last plain run per cell: the baseline brackets every speculative run
+        plain[b, t].append(run_once(model, tokenizer, prompts, t, args.max_tokens, None, b))
+        bar and bar.update(1)
+    bar and bar.close()
+    rate = {c: sum(r["decode_tokens"] for r in rs) / sum(r["decode_seconds"] for r in rs) for c, rs in plain.items()}
+    plain_step = costs.get("plain_step_ms")
+    results = []
+    for (m, k, b, t), rs in runs.items():
+        tok_s = sum(r["decode_tokens"] for r in rs) / sum(r["decode_seconds"] for r in rs)
+        drafts = sum(r["num_drafts"] for r in rs)
+        draft_tokens = sum(r["num_draft_tokens"] for r in rs)
+        accepted = [sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in rs)
+                    for i in range(k)]
+        length = 1 + sum(accepted) / drafts if drafts else 1.0
+        verify = costs.get("verify_cost", {}).get(str(k + 1))
+        head_cost = head_ms[m][str(k)] / plain_step if plain_step else None
+        passes = k if m == "eagle" else 1
+        step_cost = verify + passes * head_cost if verify and head_cost is not None else None
+        needed = acceptance_needed(1.5, k, head_cost, verify, passes) if step_cost else None
+        results.append({"method": m, "k": k, "batch": b, "temperature": t, "tok_s": tok_s,
+                        "speedup": tok_s / rate[b, t], "num_drafts": drafts,
+                        "acceptance_rate": sum(accepted) / max(1, draft_tokens),
+                        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted],
+                        "mean_acceptance_length": length, "head_pass_ms": head_ms[m][str(k)],
+                        "head_pass_cost": head_cost, "head_passes": passes, "step_cost": step_cost,
+                        "predicted_speedup": length / step_cost if step_cost else None,
+                        "length_needed_for_1_5x": 1.5 * step_cost if step_cost else None,
+                        "acceptance_needed_for_1_5x": needed,
+                        "greedy_identical": all(r["outputs"] == plain[b, t][0]["outputs"] for r in rs) if t == 0
+                        else None,
+                        "runs_tok_s": [r["tok_s"] for r in rs]})
+    heads = {}
+    for m in args.method:
+        meta = json.loads((Path(head_path(args, m)) / "config.json").read_text())
+        train = meta.get("kvlab_train", {})
+        heads[m] = {"path": head_path(args, m), "config": {k: v for k, v in meta.items() if k != "kvlab_train"},
+                    "training": {k: train.get(k) for k in ("command", "status", "step", "positions", "train_seconds",
+                                                           "draft_vocab_coverage", "validation", "params")}}
+    return {"benchmark": "draft heads", "command": "python3 -m kvlab.bench.eagle " + " ".join(args.argv),
+            "model": args.model, "heads": heads, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "baseline_tok_s": {f"batch {b}, temperature {t:g}": v for (b, t), v in rate.items()},
+            "baseline_runs_tok_s": {f"batch {b}, temperature {t:g}": [r["tok_s"] for r in rs]
+                                    for (b, t), rs in plain.items()},
+            "step_costs": costs, "head_pass_ms": head_ms, "results": results, "provenance": provenance()}
+
+
+def report_grid(result: dict) -> str:
+    p = result["provenance"]
+    machine = p.get("machine", {})
+    cpu = f"{machine.get('cpu', 'this machine')} ({machine.get('torch_threads', '?')} threads)"
+    costs = result["step_costs"]
+    lines = ["# EAGLE and Medusa heads on SmolLM2-135M: batch, temperature, k", "",
+             "Regenerate with:", "", "```bash", f"flock /tmp/kvlab-heavy.lock {result['command']}", "```", "",
+             f"Measured at commit `{p.get('git_commit', '?')}` on {cpu}. {result['prompts']} held-out ShareGPT first "
+             f"turns, {result['max_tokens']} new tokens each (EOS ignored), {result['rounds']} interleaved rounds; "
+             "each speed-up is against the plain runs of the same batch and temperature in the same process "
+             "(tok/s: " + "; ".join(f"{c} {v:.1f}" for c, v in result["baseline_tok_s"].items()) + ").", ""]
+    for m, h in result["heads"].items():
+        val = ((h["training"].get("validation") or {}).get("chat") or {})
+        agree = ", ".join(f"{val[f'agree{j}']:.3f}" for j in range(1, 4) if f"agree{j}" in val)
+        lines.append(f"- {m}: {h['path']}, {(h['training'].get('params') or 0) / 1e6:.1f}M parameters, trained "
+                     f"{h['training'].get('step')} steps on {h['training'].get('positions') or 0:,} positions in "
+                     f"{h['training'].get('train_seconds')} s; held-out greedy agreement per draft position {agree}.")
+    lines += ["", f"Costs in plain batch-1 steps (plain step {costs.get('plain_step_ms', 0):.2f} ms): verification "
+              "of n tokens " + ", ".join(f"n={n}: {v:.2f}" for n, v in costs.get("verify_cost", {}).items())
+              + "; head pass " + "; ".join(f"{m} k={k}: {ms:.2f} ms" for m, by_k in result["head_pass_ms"].items()
+                                           for k, ms in by_k.items()) + ".", "",
+              "| method | batch | temperature | k | tok/s | speed-up | acceptance per position | mean acceptance "
+              "length | step cost (batch 1) | predicted L/cost | acceptance needed for 1.5x | greedy identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["results"], key=lambda r: (r["method"], r["batch"], r["temperature"], r["k"])):
+        needed = r["acceptance_needed_for_1_5x"]
+        lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']:g} | {r['k']} | {r['tok_s']:.1f} | "
+                     f"**{r['speedup']:.2f}x** | " + " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+                     + f" | {r['mean_acceptance_length']:.2f} | {r['step_cost'] or 0:.2f} | "
+                     f"{r['predicted_speedup'] or 0:.2f}x | {'unreachable' if needed is None else f'{needed:.2f}'} | "
+                     f"{'' if r['greedy_identical'] is None else r['greedy_identical']} |")
+    lines += ["", "Where speculation stops paying (best k per cell):", ""]
+    for m in result["heads"]:
+        for b in sorted({r["batch"] for r in result["results"]}):
+            row = []
+            for t in sorted({r["temperature"] for r in result["results"]}):
+                cell = [r for r in result["results"] if (r["method"], r["batch"], r["temperature"]) == (m, b, t)]
+                if cell:
+                    best = max(cell, key=lambda r: r["speedup"])
+                    row.append(f"temperature {t:g}: {best['speedup']:.2f}x (k={best['k']})")
+            lines.append(f"- {m}, batch {b}: " + "; ".join(row))
+    return "\n".join(lines) + "\n"
+
+
 def report(result: dict) -> str:
+    if "heads" in result:
+        return report_grid(result)
     p = result["provenance"]
     machine = p.get("machine", {})
     cpu = f"{machine.get('cpu', 'this machine')} ({machine.get('torch_threads', '?')} threads)"
@@ -149,6 +309,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m kvlab.bench.eagle", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--head", default=default_head_dir(), help="the head (kvlab draft train --method eagle)")
+    parser.add_argument("--method", nargs="+", choices=("eagle", "medusa"), default=["eagle"],
+                        help="head kinds to run (default eagle)")
+    parser.add_argument("--medusa-head", default=default_head_dir().replace("smollm2-eagle", "smollm2-medusa"),
+                        help="the Medusa head set (kvlab draft train --method medusa)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="concurrent requests (default 1)")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                        help="sampling temperatures (default 0: greedy)")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="num_speculative_tokens (default 1 2 3)")
     parser.add_argument("--prompts", type=int, default=6, help="held-out chat prompts, one after another (default 6)")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
@@ -156,10 +323,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="reports/speculative/eagle", help="folder for results.json and README.md")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if not (Path(args.head) / "config.json").is_file():
-        print(f"kvlab: error: no EAGLE head in {args.head} (train one: kvlab draft train --method eagle)",
-              file=sys.stderr)
-        return 2
+    for method in args.method:
+        if not (Path(head_path(args, method)) / "config.json").is_file():
+            print(f"kvlab: error: no {method} head in {head_path(args, method)} (train one: kvlab draft train "
+                  f"--method {method})", file=sys.stderr)
+            return 2
     result = run(args)
     from kvlab.files import write_atomic, write_json
     out = Path(args.out)

@@ -3,6 +3,7 @@
     kvlab draft train --size xs --out drafts/smollm2-draft-xs --max-minutes 8   # again to resume
     kvlab serve smollm2-135m --speculative-config '{"method": "draft_model", "model": "drafts/smollm2-draft-xs"}'
     kvlab draft train --method eagle --out drafts/smollm2-eagle --max-minutes 10   # a head on SmolLM2's hidden states
+    kvlab draft train --method medusa --out drafts/smollm2-medusa --max-minutes 10  # k heads on its last hidden state
 
 `train` first generates the corpus shards that are missing (the teacher's answers and top
 log-probabilities, through the engine; cached under the kvlab cache folder), then trains
@@ -45,9 +46,10 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     t = train.add_argument_group("training")
     t.add_argument("--out", required=True, help="the draft's model directory (config.json, model.safetensors, "
                                                 "tokenizer); its checkpoint lives in OUT.train/")
-    t.add_argument("--method", choices=("draft_model", "eagle"), default="draft_model",
+    t.add_argument("--method", choices=("draft_model", "eagle", "medusa"), default="draft_model",
                    help="draft_model: a separate small model (default); eagle: a head on the target's own hidden "
-                        "states (kvlab.nn.eagle), served with {\"method\": \"eagle\"}")
+                        "states (kvlab.nn.eagle), served with {\"method\": \"eagle\"}; medusa: k heads on the "
+                        "target's last hidden state (kvlab.nn.medusa), served with {\"method\": \"medusa\"}")
     t.add_argument("--size", choices=sorted(SIZES), default="xs", help="draft shape (kvlab.draft.model.SIZES)")
     t.add_argument("--objective", choices=OBJECTIVES, default="kl",
                    help="kl: forward KL(target || draft); tv: total variation, 1 - acceptance (default kl)")
@@ -62,11 +64,15 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     t.add_argument("--partial-corpus", action="store_true",
                    help="train on the shards generated so far when the corpus is not complete (default: wait for it)")
     t.add_argument("--json", metavar="PATH", help="write the training summary here")
-    e = train.add_argument_group("eagle (--method eagle)")
+    e = train.add_argument_group("draft heads (--method eagle or medusa)")
     e.add_argument("--draft-vocab", type=positive_int, default=8192,
                    help="tokens the head scores: the target's most frequent choices (default 8192)")
     e.add_argument("--token-budget", type=positive_int, help="stop once the head trained on this many positions")
-    e.add_argument("--window", type=positive_int, default=4, help="positions the head's attention sees (default 4)")
+    e.add_argument("--window", type=positive_int, default=4,
+                   help="eagle: positions the head's attention sees (default 4)")
+    e.add_argument("--num-heads", type=positive_int, default=3,
+                   help="medusa: heads, the most tokens a round drafts (default 3)")
+    e.add_argument("--num-layers", type=positive_int, default=1, help="medusa: residual blocks per head (default 1)")
     e.add_argument("--text", action="append", default=[], metavar="FILE",
                    help="plain-text file whose 256-token pieces join the corpus as training text (repeatable)")
     e.add_argument("--text-tokens", type=positive_int, default=32768,
@@ -127,9 +133,9 @@ def run_corpus(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if args.method == "eagle":
-        from kvlab.commands.draft_eagle_cmd import run_train_eagle
-        return run_train_eagle(args)
+    if args.method in ("eagle", "medusa"):
+        from kvlab.commands.draft_head_cmd import run_train_head
+        return run_train_head(args)
     import torch
 
     from kvlab.checkpoints.resolve import load_model

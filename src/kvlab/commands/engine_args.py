@@ -58,8 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run every step module by module (the reference path)")
     sched.add_argument("--speculative-config", metavar="JSON",
                        help='speculative decoding, as vLLM\'s: {"method": "ngram" | "self" | "draft_model" | '
-                            '"eagle", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max": .., '
-                            '"model": DRAFT (draft_model) or HEAD (eagle), "num_layers": L (self), "disable_by_batch_size": N}')
+                            '"eagle" | "medusa", "num_speculative_tokens": k, "prompt_lookup_min": .., '
+                            '"prompt_lookup_max": .., "model": DRAFT (draft_model) or HEAD (eagle, medusa), '
+                            '"num_layers": L (self), "disable_by_batch_size": N}')
 
 
 def default_kv_cache_dtype(dtype: str) -> str:

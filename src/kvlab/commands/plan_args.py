@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from kvlab.commands.args import byte_size, positive_float, positive_int
+from kvlab.plan.draft_heads import DraftHead, read_draft_head
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device, custom_device, device, devices
 from kvlab.plan.kv_formats import KV_CACHE_DTYPES, MODEL_DTYPES
@@ -68,7 +69,10 @@ def add_speculative_arguments(parser: argparse.ArgumentParser, acceptance_help: 
     for flags of one command's own."""
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--draft", metavar="MODEL", help="a draft model (preset, config.json or .gguf): its weights "
-                                                       "and KV join the budget, and seats fall accordingly")
+                                                       "and KV join the budget, and seats fall accordingly; or a "
+                                                       "draft head directory (kvlab draft train --method eagle|medusa):"
+                                                       " its weights join, no KV, and its recorded held-out agreement "
+                                                       "is the acceptance rate unless --acceptance-rate is given")
     spec.add_argument("--acceptance-rate", type=float, help=acceptance_help)
     spec.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="drafted tokens k (3)")
     return spec
@@ -80,13 +84,22 @@ def draft_from_args(args: argparse.Namespace, need_rate: bool = False) -> tuple[
         if args.acceptance_rate is not None:
             raise PlanError("--acceptance-rate needs --draft MODEL")
         return None, None, args.num_speculative_tokens
+    draft = load_draft(args.draft)
+    if args.acceptance_rate is None and isinstance(draft, DraftHead) and draft.held_out_agreement is not None:
+        check_speculation(draft.held_out_agreement, args.num_speculative_tokens)
+        return draft, draft.held_out_agreement, args.num_speculative_tokens  # the head's recorded agreement
     if args.acceptance_rate is None:
         if need_rate:
             raise PlanError("--draft needs --acceptance-rate A (the chance the target accepts each drafted token)")
         check_speculation(0.0, args.num_speculative_tokens)
     else:
         check_speculation(args.acceptance_rate, args.num_speculative_tokens)
-    return load_model(args.draft), args.acceptance_rate, args.num_speculative_tokens
+    return draft, args.acceptance_rate, args.num_speculative_tokens
+
+
+def load_draft(path: str) -> "ModelSpec | DraftHead":
+    """A draft head directory (kvlab.plan.draft_heads), else a draft model as MODEL arguments load."""
+    return read_draft_head(path) or load_model(path)
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +231,6 @@ def request_from_args(args: argparse.Namespace, card: Device | None = None) -> P
         block_size=args.block_size, vllm_device=args.vllm_device, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, vllm_hybrid=not args.disable_hybrid_kv_cache_manager,
         vllm_version=args.vllm_version,
-        draft=load_model(args.draft) if args.draft else None, acceptance_rate=args.acceptance_rate,
+        draft=load_draft(args.draft) if args.draft else None, acceptance_rate=args.acceptance_rate,
         num_speculative_tokens=args.num_speculative_tokens, verify_cost=args.verify_cost,
     )

@@ -23,20 +23,18 @@ temperature 0 when the head's inputs are the target's own features (teacher-forc
 
 from __future__ import annotations
 
-import math
 import random
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 
+from kvlab.draft.features import collect_features, draft_vocabulary, load_or_collect  # noqa: F401 (re-exported)
 from kvlab.nn.eagle import EagleConfig, EagleHead
-from kvlab.train.loop import save_atomic
+from kvlab.draft.head_trainer import HeadTrainer
 
-FEATURES_FORMAT = "kvlab-eagle-features-1"
 CHECKPOINT_FORMAT = "kvlab-eagle-checkpoint-1"
 
 
@@ -52,44 +50,6 @@ class EagleTrainConfig:
     seed: int = 0
     feature_weight: float = 0.5
     second_step_weight: float = 0.5
-
-
-@torch.inference_mode()
-def collect_features(model, sequences: list[list[int]], progress: bool = True) -> list[dict]:
-    """Each sequence through the target: {"ids", "hidden" fp16 [T, dim], "choice" int32 [T]}."""
-    from kvlab.train.progress import progress_bar
-    bar = progress_bar(len(sequences), "target hidden states", unit="seq", enabled=progress)
-    out = []
-    for ids in sequences:
-        tokens = torch.tensor([ids])
-        logits, hidden = model(tokens, with_hidden=True)
-        out.append({"ids": tokens[0].to(torch.int32), "hidden": hidden[0].to(torch.float16),
-                    "choice": logits[0].argmax(-1).to(torch.int32)})
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    return out
-
-
-def load_or_collect(path: Path, model, sequences: list[list[int]], key: str, progress: bool = True) -> list[dict]:
-    if path.exists():
-        cached = torch.load(path, map_location="cpu", weights_only=False)
-        if cached.get("format") == FEATURES_FORMAT and cached.get("key") == key:
-            return cached["records"]
-    records = collect_features(model, sequences, progress)
-    save_atomic({"format": FEATURES_FORMAT, "key": key, "records": records}, path)
-    return records
-
-
-def draft_vocabulary(records: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent greedy choices (sorted by frequency) and the share of positions they cover."""
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for r in records:
-        counts += torch.bincount(r["choice"].long(), minlength=vocab)
-    size = min(size, vocab)
-    top = counts.topk(size)
-    return top.indices, float(top.values.sum()) / max(1, int(counts.sum()))
 
 
 def new_head(target, embedding: torch.Tensor, d2t: torch.Tensor, seed: int, **shape) -> EagleHead:
@@ -196,76 +156,31 @@ def evaluate(head: EagleHead, t2d, records, embedding, length: int, cfg: EagleTr
     return {k: round(v / max(1, weight), 4) for k, v in sums.items()} | {"positions": weight}
 
 
-class EagleTrainer:
-    """Adam on the head (its LM head frozen), cosine schedule, resumable from an atomic checkpoint."""
+class EagleTrainer(HeadTrainer):
+    """The shared loop (kvlab.draft.head_trainer) on EAGLE windows: both draft steps' losses."""
+
+    FORMAT = CHECKPOINT_FORMAT
+    LABEL = "eagle head"
 
     def __init__(self, head: EagleHead, train: list[dict], val: list[dict], embedding: torch.Tensor,
                  cfg: EagleTrainConfig, checkpoint: Path, log: Callable[[str], None] = lambda s: None,
                  progress: bool = True) -> None:
-        self.head, self.train, self.val, self.embedding, self.cfg = head, train, val, embedding, cfg
-        self.checkpoint, self.log, self.progress = checkpoint, log, progress
-        head.lm_head.weight.requires_grad_(False)
-        self.params = [p for p in head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
-        self.t2d = head.t2d()
-        self.step, self.tokens, self.seconds, self.history = 0, 0, 0.0, []
-        if checkpoint.exists():
-            state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-            if state.get("format") == CHECKPOINT_FORMAT:
-                head.load_state_dict(state["head"])
-                self.opt.load_state_dict(state["optimizer"])
-                self.step, self.tokens, self.seconds = state["step"], state["tokens"], state["seconds"]
-                self.history = state["history"]
-                log(f"resumed at step {self.step} ({self.tokens:,} positions)")
+        self.train, self.val, self.embedding = train, val, embedding
+        super().__init__(head, cfg, checkpoint, log, progress)
 
-    @property
-    def done(self) -> bool:
-        c = self.cfg
-        return self.step >= c.steps or (c.token_budget is not None and self.tokens >= c.token_budget)
-
-    def save(self) -> None:
-        save_atomic({"format": CHECKPOINT_FORMAT, "head": self.head.state_dict(), "optimizer": self.opt.state_dict(),
-                     "step": self.step, "tokens": self.tokens, "seconds": self.seconds, "history": self.history,
-                     "config": asdict(self.cfg), "head_config": asdict(self.head.config)}, self.checkpoint)
-
-    def fit(self, max_seconds: Optional[float] = None, stop_after: Optional[int] = None) -> None:
-        from kvlab.train.progress import progress_bar
+    def batch(self, rng: random.Random):
         cfg = self.cfg
-        started = time.monotonic()
-        bar = progress_bar(cfg.steps, "eagle head", initial=self.step, unit="step", enabled=self.progress)
-        self.head.train()
-        while not self.done and (stop_after is None or self.step < stop_after):
-            if max_seconds is not None and time.monotonic() - started > max_seconds:
-                self.log("time budget spent; run again to continue")
-                break
-            t0 = time.monotonic()
-            lr = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, self.step / max(1, cfg.steps)))))
-            for group in self.opt.param_groups:
-                group["lr"] = lr
-            rng = random.Random(cfg.seed * 1_000_003 + self.step)  # a batch is a function of (seed, step)
-            batch = make_batch(self.train, windows(self.train, cfg.window_len, rng, cfg.batch_size),
-                               cfg.window_len, self.embedding)
-            out = losses(self.head, self.t2d, batch, cfg.feature_weight, cfg.second_step_weight)
-            self.opt.zero_grad(set_to_none=True)
-            out["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.opt.step()
-            self.step += 1
-            self.tokens += out["positions"]
-            self.seconds += time.monotonic() - t0
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{float(out['loss'].detach()):.3f}", agree=f"{float(out['agree1']):.2f}")
-            if self.step % cfg.eval_every == 0 or self.done:
-                metrics = evaluate(self.head, self.t2d, self.val, self.embedding, cfg.window_len, cfg)
-                self.history.append({"step": self.step, "tokens": self.tokens, "train_loss": round(float(out["loss"].detach()), 4),
-                                     **{f"val_{k}": v for k, v in metrics.items()}})
-                self.log(f"step {self.step}: val agreement {metrics['agree1']:.3f} (position 1), "
-                         f"{metrics['agree2']:.3f} (position 2)")
-                self.save()
-        if bar is not None:
-            bar.close()
-        self.save()
+        return make_batch(self.train, windows(self.train, cfg.window_len, rng, cfg.batch_size), cfg.window_len,
+                          self.embedding)
+
+    def losses(self, batch) -> dict:
+        return losses(self.head, self.t2d, batch, self.cfg.feature_weight, self.cfg.second_step_weight)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.head, self.t2d, self.val, self.embedding, self.cfg.window_len, self.cfg)
+
+    def describe(self, metrics: dict) -> str:
+        return f"val agreement {metrics['agree1']:.3f} (position 1), {metrics['agree2']:.3f} (position 2)"
 
 
 __all__ = ["EagleTrainConfig", "EagleTrainer", "collect_features", "load_or_collect", "draft_vocabulary",

@@ -37,10 +37,10 @@ def record_features(seq: Sequence, start: int, rows: torch.Tensor, window: int) 
     seq.draft_features = (start + drop, rows[drop:].float().clone())
 
 
-def packed_head(head: EagleHead) -> EagleHead:
-    """A copy whose matrices are Q8_0 (kvlab.nn.pack) where the C kernels exist: a draft round reads about a
-    quarter of the bytes (the 8,192-row LM head alone is 19 MB in fp32), and decode at batch 1 is bound by them.
-    Drafts only propose, so rounding the head changes acceptance, never the output."""
+def packed_head(head, names=("fc", "qkv", "o", "gate_up", "down", "lm_head")):
+    """A copy whose matrices `names` (bias-free linears) are Q8_0 (kvlab.nn.pack) where the C kernels exist: a
+    draft round reads about a quarter of the bytes (the 8,192-row LM head alone is 19 MB in fp32), and decode at
+    batch 1 is bound by them. Drafts only propose, so rounding the head changes acceptance, never the output."""
     import copy
 
     from kvlab.nn.ggml import QK, GGMLLinear
@@ -49,7 +49,7 @@ def packed_head(head: EagleHead) -> EagleHead:
     if kernels() is None:
         return head
     packed = copy.deepcopy(head)
-    for name in ("fc", "qkv", "o", "gate_up", "down", "lm_head"):
+    for name in names:
         layer = getattr(packed, name)
         if layer.in_features % QK == 0:
             setattr(packed, name, GGMLLinear(q8_0_planes(layer.weight)))

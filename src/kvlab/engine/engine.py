@@ -144,10 +144,15 @@ class LLMEngine:
                 raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                                    f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
         head = None
-        if self.speculative is not None and self.speculative.method == "eagle":
+        if self.speculative is not None and self.speculative.method in ("eagle", "medusa"):
             import os
-            from kvlab.nn.eagle import load_head
-            head = load_head(os.path.expanduser(self.speculative.model), mc)  # another target's head: one line
+            from kvlab.nn.draft_head import load_draft_head
+            head = load_draft_head(os.path.expanduser(self.speculative.model), mc,  # another target's: one line
+                                   f"kvlab-{self.speculative.method}-head")
+            heads = getattr(head.config, "num_heads", None) if self.speculative.method == "medusa" else None
+            if heads is not None and self.speculative.num_speculative_tokens > heads:
+                raise RequestError(f"num_speculative_tokens={self.speculative.num_speculative_tokens} but the Medusa "
+                                   f"head set at {self.speculative.model} has {heads} heads", "speculative_config")
         # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
         # with a draft model every block holds both models' K/V (kvlab.plan.speculative, as `kvlab plan --draft`)
         windowed = config.kv_window is not None
@@ -167,8 +172,10 @@ class LLMEngine:
             self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
                                             self.max_model_len, formats, config.block_size)
         if head is not None:  # no K/V of its own: each running sequence keeps `window` hidden states
+            window = getattr(head.config, "window", 1)
+            kind = "EAGLE head" if self.speculative.method == "eagle" else f"Medusa heads ({head.config.num_heads})"
             self.capacity["log_lines"].append(
-                f"EAGLE head: no KV cache; {head.config.window} hidden states ({head.config.window * mc.dim * 4:,} B) "
+                f"{kind}: no KV cache; {window} hidden states ({window * mc.dim * 4:,} B) "
                 f"per running sequence, {head.config.param_count() / 1e6:.1f}M parameters, "
                 f"draft vocabulary {head.config.draft_vocab:,}")
         num_blocks = self.capacity["num_gpu_blocks"]

@@ -77,10 +77,15 @@ class ModelRunner:
         self.spec_stats = SpecStats()
         self.max_model_len = max_model_len or model.config.max_seq_len
         self.draft_step = draft_step  # the draft model's C step over draft_pool, where one applies
-        self.eagle = None
+        self.head_proposer = None  # an EAGLE or Medusa head: it reads the target's final hidden states
         if head is not None:
-            from kvlab.engine.eagle_proposer import EagleProposer
-            self.eagle = EagleProposer(head, model)
+            from kvlab.nn.medusa import MedusaHead
+            if isinstance(head, MedusaHead):
+                from kvlab.engine.medusa_proposer import MedusaProposer
+                self.head_proposer = MedusaProposer(head)
+            else:
+                from kvlab.engine.eagle_proposer import EagleProposer
+                self.head_proposer = EagleProposer(head, model)
         if speculative is not None and speculative.method == "self":
             layers = model.config.n_layers
             self.self_layers = speculative.num_layers or max(1, layers // 4)
@@ -110,8 +115,8 @@ class ModelRunner:
         batch = StepBatch.build([seq.num_computed for seq in seqs], lens, block_size=self.pool.block_size,
                                 group_tables=tables, seats=[seq.seat or 0 for seq in seqs])
         ends = torch.tensor(lens).cumsum(0)
-        hidden = None  # every fed row's final hidden state, for an EAGLE head
-        if self.paged_step is not None and batch.is_decode and self.eagle is None:
+        hidden = None  # every fed row's final hidden state, for a draft head
+        if self.paged_step is not None and batch.is_decode and self.head_proposer is None:
             logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
         else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
@@ -122,11 +127,11 @@ class ModelRunner:
             in_c = all(decoding) or (max(batch.context_lens) <= C_PROMPT_CONTEXT
                                      and not self._on_library(int(ends[-1])))
             if self.paged_step is not None and in_c:  # a row per token, in C
-                if self.eagle is not None:
+                if self.head_proposer is not None:
                     hidden = torch.empty(int(ends[-1]), self.model.config.dim)
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
                                                tables, logit_rows=flat, hidden=hidden)
-            elif self.eagle is not None:
+            elif self.head_proposer is not None:
                 logits, hidden = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                             rows=torch.tensor(flat), with_hidden=True)
                 logits, hidden = logits[0], hidden[0]
@@ -146,7 +151,7 @@ class ModelRunner:
             if hidden is not None:  # the rows whose K/V stay: a prompt chunk's all, a verification's accepted
                 first = int(ends[i]) - n
                 kept = seq.num_computed - start if drafts[i] else n
-                record_features(seq, start, hidden[first:first + kept], self.eagle.window)
+                record_features(seq, start, hidden[first:first + kept], self.head_proposer.window)
             if not drafts[i]:
                 if seq.params.prompt_logprobs is not None:  # the rows read for this feed end at its last token
                     record_prompt_logprobs(seq, logits[rows[i]], seq.num_computed + n - len(rows[i]))
@@ -194,8 +199,8 @@ class ModelRunner:
         spec = self.spec
         busy = spec.disable_by_batch_size is not None and len(seqs) >= spec.disable_by_batch_size
         budgets = [self._budget(seq) if dec and not busy else 0 for seq, dec in zip(seqs, decoding)]
-        if self.eagle is not None:
-            return self.eagle.propose(seqs, budgets, self.generator)
+        if self.head_proposer is not None:
+            return self.head_proposer.propose(seqs, budgets, self.generator)
         if spec.method == "ngram":
             return ([ngram_proposal(seq.all_ids, b, spec.prompt_lookup_min, spec.prompt_lookup_max) if b else []
                      for seq, b in zip(seqs, budgets)], [None] * len(seqs))

@@ -23,6 +23,9 @@ Proposers (vLLM's `speculative_config` names):
   target's own final hidden states, drafting from a reduced vocabulary mapped back to the
   target's ids (kvlab.engine.eagle_proposer). It keeps no K/V: each sequence holds its last
   `window` hidden states, and the head recomputes that band every round.
+- "medusa": a Medusa head set (kvlab.nn.medusa, `kvlab draft train --method medusa`): k heads on
+  the target's last hidden state guess the next k tokens in one pass (kvlab.engine.medusa_proposer);
+  no K/V, one hidden state per sequence.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from kvlab.engine.errors import RequestError
 from kvlab.engine.sampling import SamplingParams, filtered_logits
 
-METHODS = ("ngram", "self", "draft_model", "eagle")
+METHODS = ("ngram", "self", "draft_model", "eagle", "medusa")
 
 
 @dataclass
@@ -83,7 +86,7 @@ class SpeculativeConfig:
             raise RequestError("disable_by_batch_size must be a positive integer", "speculative_config")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise RequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max", "speculative_config")
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise RequestError(f'the "{self.method}" method needs "model": a path or name', "speculative_config")
 
 

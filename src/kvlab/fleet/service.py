@@ -139,16 +139,16 @@ def replica_from_plan(spec: ModelSpec, request: PlanRequest, *, max_model_len: i
     speculation = None
     if request.draft is not None:
         info = result["speculative"]
-        draft_cost = ScaledCost(cost, float(info["cost_ratio"])) if calibration is not None \
+        draft_cost = ScaledCost(cost, round_ratio(info)) if calibration is not None or "draft_passes" in info \
             else roofline(request.draft)
-        speculation = Speculation(request.draft.name, float(request.acceptance_rate),
+        speculation = Speculation(info["draft"], float(request.acceptance_rate),
                                   int(request.num_speculative_tokens), draft_cost, seed)
     return ReplicaSpec(tp, num_blocks, block_size, max_num_seqs, batched, max_model_len, cost,
                        enable_prefix_caching, float(per_token), int(result["weight_bytes_per_rank"]), budget, notes,
                        speculation)
 
 
-def calibrated_speculation(spec: ModelSpec, draft: ModelSpec, acceptance_rate: float, k: int, engine: dict,
+def calibrated_speculation(spec: ModelSpec, draft, acceptance_rate: float, k: int, engine: dict,
                            cost: LinearCost, max_model_len: int, seed: int = 0) -> tuple[int, Speculation]:
     """(blocks, speculation) for a calibrated engine given a draft: the calibrated pool's bytes re-cut into
     blocks holding both caches, and the draft priced at the calibrated cost times the plan's cost ratio."""
@@ -163,8 +163,17 @@ def calibrated_speculation(spec: ModelSpec, draft: ModelSpec, acceptance_rate: f
     info = plan(spec, request)["speculative"]
     if info["cost_ratio"] is None:
         raise FleetError(f"{spec.name} has no parameter count: the draft's relative cost is unknown")
-    return int(info["pool_blocks"]), Speculation(draft.name, acceptance_rate, k,
-                                                 ScaledCost(cost, float(info["cost_ratio"])), seed)
+    return int(info["pool_blocks"]), Speculation(info["draft"], acceptance_rate, k,
+                                                 ScaledCost(cost, round_ratio(info)), seed)
+
+
+def round_ratio(info: dict) -> float:
+    """What the simulator charges per draft round, relative to the target's step: the plan's cost ratio, or for a
+    built-in head its passes spread over the k rounds (a Medusa set drafts k tokens in one pass: a step drafting
+    fewer than k is charged its share, near enough at batch 1 where every sequence drafts k). A head is priced by
+    the target's step scaled (by a calibration or the roofline), not a roofline of its own: it has no K/V."""
+    ratio = float(info["cost_ratio"])
+    return ratio * info["draft_passes"] / info["num_speculative_tokens"] if "draft_passes" in info else ratio
 
 
 def replica_kv_bytes(spec: ModelSpec, replica: ReplicaSpec, formats) -> float:

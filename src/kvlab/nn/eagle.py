@@ -15,31 +15,24 @@ Two choices keep it cheap on a CPU:
   last `window` target hidden states (window x dim floats, 9 KiB for SmolLM2 at window 4)
   and recomputes the band every draft round: at most window + k rows of a 4M-parameter
   layer, against pool blocks that would have to be allocated, trimmed and counted.
-The token embedding is the target's own (not stored here); `d2t` is.
-Saved as a directory: config.json (EagleConfig, "architecture": "kvlab-eagle-head") and
-model.safetensors.
+The token embedding is the target's own (not stored here); `d2t` is (kvlab.nn.draft_head: the
+map, the refusal of another target's head, the directory: config.json with "architecture":
+"kvlab-eagle-head", and model.safetensors).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.errors import KvlabError
+from kvlab.nn.draft_head import HeadMismatch, ReducedVocab, check_target, load_draft_head, save_head
 from kvlab.nn.norms import RMSNorm
 
 ARCHITECTURE = "kvlab-eagle-head"
-
-
-class HeadMismatch(KvlabError):
-    """The head was trained for another target (hidden size, vocabulary or model)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +53,7 @@ class EagleConfig:
 
     def check_target(self, config) -> None:
         """One line when `config` (a target's ModelConfig) is not what this head was trained on."""
-        if (config.dim, config.vocab_size) != (self.dim, self.target_vocab):
-            raise HeadMismatch(f"the draft head was trained for a target with hidden size {self.dim} and vocabulary "
-                               f"{self.target_vocab}; {config.name} has {config.dim} and {config.vocab_size}")
+        check_target(self.dim, self.target_vocab, config)
 
 
 def band_mask(length: int, window: int) -> torch.Tensor:
@@ -72,7 +63,10 @@ def band_mask(length: int, window: int) -> torch.Tensor:
     return (j <= i) & (j > i - window)
 
 
-class EagleHead(nn.Module):
+class EagleHead(ReducedVocab):
+    ARCHITECTURE = ARCHITECTURE
+    CONFIG = EagleConfig
+
     def __init__(self, config: EagleConfig, d2t: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.config = c = config
@@ -86,8 +80,7 @@ class EagleHead(nn.Module):
         self.down = nn.Linear(c.ffn, c.dim, bias=False)
         self.out_norm = RMSNorm(c.dim, c.norm_eps)  # the feature the head outputs stands in for the target's h
         self.lm_head = nn.Linear(c.dim, c.draft_vocab, bias=False)
-        ids = d2t if d2t is not None else torch.arange(c.draft_vocab)
-        self.register_buffer("d2t", ids.to(torch.int64).clone(), persistent=True)
+        self._register_map(c.draft_vocab, d2t)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embedded, hidden [B, T, dim] (x_{i+1}'s embedding and h_i) -> (features [B, T, dim] standing
@@ -103,52 +96,11 @@ class EagleHead(nn.Module):
         features = self.out_norm(x)
         return features, self.lm_head(features)
 
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.d2t[draft_ids]
-
-    def t2d(self) -> torch.Tensor:
-        """[target_vocab] int64: each target id's draft index, -1 for ids outside the draft vocabulary."""
-        out = torch.full((self.config.target_vocab,), -1, dtype=torch.int64)
-        out[self.d2t] = torch.arange(self.config.draft_vocab)
-        return out
-
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [..., draft_vocab] scattered into the target's vocabulary (-inf elsewhere)."""
-        out = torch.full((*logits.shape[:-1], self.config.target_vocab), float("-inf"), dtype=logits.dtype)
-        out[..., self.d2t] = logits
-        return out
-
-
-def save_head(head: EagleHead, directory: str, extra: Optional[dict] = None) -> None:
-    """config.json and model.safetensors into `directory` (created; files written atomically)."""
-    from safetensors.torch import save
-
-    from kvlab.files import write_atomic
-    path = Path(directory)
-    tensors = {name: t.detach().contiguous() for name, t in head.state_dict().items()}
-    write_atomic(path / "model.safetensors", save(tensors))
-    meta = {"architecture": ARCHITECTURE, **asdict(head.config), **(extra or {})}
-    write_atomic(path / "config.json", json.dumps(meta, indent=2, default=str) + "\n")
-
 
 def load_head(directory: str, target_config=None) -> EagleHead:
-    """The head saved in `directory`; with `target_config`, refused in one line (HeadMismatch) if it
+    """The EAGLE head saved in `directory`; with `target_config`, refused in one line (HeadMismatch) if it
     was trained for a different target."""
-    from safetensors.torch import load_file
-    path = Path(os.path.expanduser(directory))
-    try:
-        meta = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise HeadMismatch(f"{directory} is not a draft head directory ({type(error).__name__})") from None
-    if meta.get("architecture") != ARCHITECTURE:
-        raise HeadMismatch(f"{directory} is not a kvlab EAGLE head (config.json architecture "
-                           f"{meta.get('architecture')!r})")
-    config = EagleConfig(**{k: meta[k] for k in EagleConfig.__dataclass_fields__})
-    if target_config is not None:
-        config.check_target(target_config)
-    head = EagleHead(config)
-    head.load_state_dict(load_file(str(path / "model.safetensors")))
-    return head.eval()
+    return load_draft_head(directory, target_config, ARCHITECTURE)
 
 
 __all__ = ["EagleConfig", "EagleHead", "HeadMismatch", "band_mask", "save_head", "load_head"]

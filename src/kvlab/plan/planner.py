@@ -6,9 +6,10 @@ The CLI, the chart page and reports all render this dict; none of them computes 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from kvlab.plan import capacity
+from kvlab.plan.draft_heads import DraftHead
 from kvlab.plan.errors import PlanError
 from kvlab.plan.hardware import Device
 from kvlab.plan.kv_formats import model_dtype_bytes
@@ -47,7 +48,8 @@ class PlanRequest:
     max_num_seqs: Optional[int] = None  # vllm serve's default for the card when None (sizes the sampler's peak)
     vllm_hybrid: bool = True  # False: vLLM's --disable-hybrid-kv-cache-manager
     vllm_version: str = DEFAULT_VERSION
-    draft: Optional[ModelSpec] = None  # speculative decoding's draft model (its weights and KV count too)
+    # speculative decoding's draft model (its weights and KV count too), or a built-in draft head (its weights)
+    draft: Optional[Union[ModelSpec, DraftHead]] = None
     acceptance_rate: Optional[float] = None
     num_speculative_tokens: int = 3
     verify_cost: float = 1.0  # verifying k + 1 tokens, in plain decode steps (kvlab.plan.speculative)
@@ -73,7 +75,8 @@ class PlanRequest:
             raise PlanError(f"--vllm-device must be one of {', '.join(VLLM_DEVICES)}, got {self.vllm_device!r}")
         if not self.verify_cost > 0:
             raise PlanError(f"--verify-cost must be positive, got {self.verify_cost}")
-        if self.verify_cost != 1.0 and self.acceptance_rate is None:
+        recorded = isinstance(self.draft, DraftHead) and self.draft.held_out_agreement is not None
+        if self.verify_cost != 1.0 and self.acceptance_rate is None and not recorded:
             raise PlanError("--verify-cost needs --draft MODEL and --acceptance-rate A (it only enters the speed-up)")
 
     def batch_defaults(self) -> tuple[int, int]:
@@ -148,7 +151,14 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         request.warnings.append(f"context {request.context} exceeds {spec.name}'s stated limit of "
                                 f"{spec.max_context} tokens; computing it anyway")
     target = spec
-    if request.draft is not None:
+    head = request.draft if isinstance(request.draft, DraftHead) else None
+    if head is not None:  # no K/V: the pool is the target's alone
+        if request.engine == "vllm":
+            raise PlanError("--draft HEAD with --engine vllm: a kvlab draft head runs in kvlab's engine; "
+                            "use --engine kvlab")
+        head.check_target(spec.hidden_size, spec.vocab_size, spec.name)
+        head.check_k(request.num_speculative_tokens)
+    elif request.draft is not None:
         if request.engine == "vllm":
             raise PlanError("--draft with --engine vllm: vLLM's draft-model allocator is not modelled; "
                             "use --engine kvlab")
@@ -156,7 +166,9 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
     per_token = capacity.kv_bytes_per_token(spec, formats, tp)
     per_sequence = capacity.kv_bytes_per_sequence(spec, request.context, formats, tp)
     weights = weight_bytes(target, request.weight_dtype, request.weight_group_size)
-    if request.draft is not None and weights is not None:
+    if head is not None and weights is not None:
+        weights += head_weight_bytes(head.params, target, weights)
+    elif request.draft is not None and weights is not None:
         draft_weights = weight_bytes(request.draft, request.weight_dtype, request.weight_group_size)
         weights = None if draft_weights is None else weights + draft_weights
     weights_per_rank = None if weights is None else -(-weights // tp)
@@ -203,7 +215,9 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         _add_speed(spec, request, formats, weights_per_rank, per_sequence, result)
     elif request.device is not None:
         result["binding_limit"] = MEMORY
-    if request.draft is not None:
+    if head is not None:
+        _add_head_speculation(target, head, request, formats, usable, result)
+    elif request.draft is not None:
         _add_speculation(target, request, formats, usable, result)
     return result
 
@@ -262,6 +276,46 @@ def _add_speculation(target: ModelSpec, request: PlanRequest, formats: capacity.
             info["verify_cost"] = request.verify_cost
             info["expected_speedup"] = expected_speedup(request.acceptance_rate, k, info["cost_ratio"],
                                                         request.verify_cost)
+    result["speculative"] = info
+
+
+def head_weight_bytes(params: int, target: ModelSpec, target_weights: int) -> int:
+    """A head's bytes at the target's precision (the target's bytes per parameter): the engine reads both
+    the same way (SmolLM2 and its head both in Q8_0 on the C kernels)."""
+    return -(-params * target_weights // target.params_total) if target.params_total else 0
+
+
+def _add_head_speculation(target: ModelSpec, head: DraftHead, request: PlanRequest, formats: capacity.CacheFormats,
+                          budget: int, result: dict[str, Any]) -> None:
+    """A draft head's share: its weights, its hidden states per sequence (outside the pool), the target's
+    pool unchanged, and the paper's speed-up with the head's passes priced by the bytes they read."""
+    k = request.num_speculative_tokens
+    block_size = request.block_size or 16
+    target_block = capacity.kv_bytes_per_sequence(target, block_size, formats, request.tensor_parallel)
+    target_weights = active_weight_bytes(target, weight_bytes(target, request.weight_dtype,
+                                                              request.weight_group_size))
+    head_weights = None if target_weights is None else head_weight_bytes(head.params, target, target_weights)
+    pass_weights = None if target_weights is None else head_weight_bytes(head.params_per_pass(k), target,
+                                                                          target_weights)
+    rate, source = request.acceptance_rate, "--acceptance-rate"
+    if rate is None and head.held_out_agreement is not None:
+        rate, source = head.held_out_agreement, "the head's held-out greedy agreement (its config.json)"
+    info: dict[str, Any] = {
+        "draft": head.label, "draft_kind": head.kind, "draft_weight_bytes": head_weights,
+        "draft_kv_bytes_per_token": 0, "draft_state_bytes_per_sequence": head.state_bytes_per_sequence(),
+        "block_size": block_size, "pool_blocks": max(0, budget) // target_block if target_block else 0,
+        "pool_bytes_per_block": target_block, "num_speculative_tokens": k, "draft_passes": head.passes(k),
+        # a batch-1 decode step reads every weight once: a head pass costs its share of the bytes
+        "cost_ratio": pass_weights / target_weights if target_weights else None,
+        "cost_ratio_basis": "weight bytes one head pass reads over the target's (memory-bound batch-1 decode)",
+    }
+    if rate is not None:
+        info["acceptance_rate"], info["acceptance_source"] = rate, source
+        info["expected_tokens_per_step"] = expected_tokens_per_step(rate, k)
+        if info["cost_ratio"] is not None:
+            info["verify_cost"] = request.verify_cost
+            info["expected_speedup"] = expected_speedup(rate, k, info["cost_ratio"], request.verify_cost,
+                                                        head.passes(k))
     result["speculative"] = info
 
 

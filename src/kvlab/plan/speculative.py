@@ -51,27 +51,31 @@ def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
     return (1 - acceptance_rate ** (k + 1)) / (1 - acceptance_rate)
 
 
-def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> float:
-    """Expected tokens per step over the step's relative cost: k draft steps at `cost_ratio` each, plus the
-    verification of k + 1 tokens at `verify_cost` plain steps (1 where decode is bound by weight reads)."""
+def expected_speedup(acceptance_rate: float, k: int, cost_ratio: float, verify_cost: float = 1.0,
+                     draft_passes: Optional[int] = None) -> float:
+    """Expected tokens per step over the step's relative cost: k draft steps at `cost_ratio` each (or
+    `draft_passes` of them: a Medusa head set drafts all k in one), plus the verification of k + 1 tokens
+    at `verify_cost` plain steps (1 where decode is bound by weight reads)."""
     if cost_ratio < 0:
         raise PlanError(f"the draft's relative cost must be non-negative, got {cost_ratio}")
     if verify_cost <= 0:
         raise PlanError(f"--verify-cost must be positive, got {verify_cost}")
-    return expected_tokens_per_step(acceptance_rate, k) / (k * cost_ratio + verify_cost)
+    passes = k if draft_passes is None else draft_passes
+    return expected_tokens_per_step(acceptance_rate, k) / (passes * cost_ratio + verify_cost)
 
 
-def acceptance_needed(speedup: float, k: int, cost_ratio: float, verify_cost: float = 1.0) -> Optional[float]:
+def acceptance_needed(speedup: float, k: int, cost_ratio: float, verify_cost: float = 1.0,
+                      draft_passes: Optional[int] = None) -> Optional[float]:
     """The smallest acceptance rate at which `expected_speedup` reaches `speedup`; None when even a draft
     that is always accepted falls short ((k + 1) tokens per step over the step's cost)."""
-    if expected_speedup(1.0, k, cost_ratio, verify_cost) < speedup:
+    if expected_speedup(1.0, k, cost_ratio, verify_cost, draft_passes) < speedup:
         return None
-    if expected_speedup(0.0, k, cost_ratio, verify_cost) >= speedup:
+    if expected_speedup(0.0, k, cost_ratio, verify_cost, draft_passes) >= speedup:
         return 0.0
     low, high = 0.0, 1.0  # expected_speedup rises with the acceptance rate
     for _ in range(60):
         middle = (low + high) / 2
-        if expected_speedup(middle, k, cost_ratio, verify_cost) >= speedup:
+        if expected_speedup(middle, k, cost_ratio, verify_cost, draft_passes) >= speedup:
             high = middle
         else:
             low = middle

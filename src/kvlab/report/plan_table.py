@@ -64,13 +64,22 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         table.add_row("tensor parallel", f"{inputs['tensor_parallel_size']} ranks, figures per rank")
     spec = result.get("speculative")
     if spec:
-        table.add_row(f"draft {spec['draft']}", f"weights {_size(spec['draft_weight_bytes'])}, KV "
-                                                f"{spec['draft_kv_bytes_per_token']:,} B/token (counted below)")
+        if "draft_state_bytes_per_sequence" in spec:  # a built-in head: no K/V
+            table.add_row(f"draft {spec['draft']}", f"weights {_size(spec['draft_weight_bytes'])} (counted below), "
+                                                    f"no KV; {spec['draft_state_bytes_per_sequence']:,} B of hidden "
+                                                    "states per running sequence, outside the pool")
+        else:
+            table.add_row(f"draft {spec['draft']}", f"weights {_size(spec['draft_weight_bytes'])}, KV "
+                                                    f"{spec['draft_kv_bytes_per_token']:,} B/token (counted below)")
+        if "acceptance_source" in spec and spec["acceptance_source"] != "--acceptance-rate":
+            table.add_row("acceptance rate", f"{spec['acceptance_rate']} from {spec['acceptance_source']}")
         if "expected_speedup" in spec:
             table.add_row(f"speculative, a={spec['acceptance_rate']}, k={spec['num_speculative_tokens']}",
                           f"{spec['expected_tokens_per_step']:.2f} tokens/step, {spec['expected_speedup']:.2f}x "
-                          f"expected (draft step {spec['cost_ratio']:.3f} of the target's, verification "
-                          f"{spec['verify_cost']:g})")
+                          f"expected (draft {'pass' if 'draft_passes' in spec else 'step'} {spec['cost_ratio']:.3f} "
+                          f"of the target's step"
+                          + (f", {spec['draft_passes']} per step" if 'draft_passes' in spec else "")
+                          + f", verification {spec['verify_cost']:g})")
     table.add_row("KV bytes per token", _size(result["kv_bytes_per_token"]))
     table.add_row(f"KV per sequence @ {inputs['context']:,} tokens", _size(result["kv_bytes_per_sequence"]))
     table.add_row(f"KV for batch of {inputs['batch']}", _size(result["kv_bytes_batch"]))
