@@ -191,7 +191,8 @@ PACKS = [WIDE, ModelConfig(**{**LONG.to_dict(), "n_heads": 8, "n_kv_heads": 1, "
                                                        ("int8", 16), ("int4", None), ("int4", 16), ("int2", 16)],
                          ids=["fp32", "fp8_e4m3", "int8", "int8-g16", "int4", "int4-g16", "int2-g16"])
 def test_head_shapes_and_query_packs(config, kv_cache_dtype, group_size):
-    check_steps(ggml_model(one_layer_if_coarse(config, kv_cache_dtype)), POSITIONS[3], kv_cache_dtype, group_size=group_size, steps=1)
+    check_steps(ggml_model(one_layer_if_coarse(config, kv_cache_dtype)), POSITIONS[3], kv_cache_dtype,
+                group_size=group_size, steps=1)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])

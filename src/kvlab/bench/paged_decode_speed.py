@@ -12,7 +12,7 @@ one run, the contenders taking turns so that load from other processes falls on 
    tokens), one decode step for all of them: C step against the module path, fp16 pool;
 2. one sequence, then `--rows` sequences, at `--context` tokens: the C step on fp16, int8 and
    fp8 (e4m3) pools (or `--formats`: int4 and int2 too), where the narrow pools read about half
-   of fp16's bytes in attention (int4 with its fp16 scale and zero per 64 channels 0.31, int2 0.19). At
+   of fp16's bytes in attention (int4 with its fp16 scale and zero per 64 channels 0.28, int2 0.16). At
    one row the weights (112 MB a step) are read as often as SmolLM2's 94 MB of fp16 K/V at
    4,096 tokens, so halving the K/V can gain at most about 1.25x; at 16 rows the K/V is 93% of
    the bytes. Measured at each of `--block-sizes`: an attention unit reads one KV head's rows

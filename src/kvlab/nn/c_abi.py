@@ -31,7 +31,8 @@ PAGED_STEP_ARGS = 13  # llama_paged_step's parameters (kvlab.nn.kernels declares
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
-             "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK, "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
+             "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK,
+             "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
              "PAGED_STEP_ARGS": PAGED_STEP_ARGS,
              "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"]}
 

@@ -180,7 +180,8 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
     case CACHE_INT4: {
         uint32_t word;
         memcpy(&word, (const uint8_t *)p->data + slot * (d / 2) + i / 2, sizeof word);
-        const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256i codes =
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
         return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0xF)));
     }
     case CACHE_INT2: {

@@ -16,7 +16,8 @@
  * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
  * `capacity` tokens per row (kvlab.cache.PooledRows). Stores and loads of each cache format are
  * kv_codecs.h's, so fp8 and int8/int4/int2 caches are dequantised inside the attention loop
- * and read half of fp16's bytes or less (int4 with groups of 64: 0.31 of it, int2 0.19); with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
+ * and read half of fp16's bytes or less (int4 in groups of 64: 0.28 of it, int2 0.16); with
+ * AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
  * dot products instead (chunk_rows.integer), and fp8 heads that attend_fp8.h takes on sixteen
  * fp32 lanes converted through byte tables (chunk_rows.tables).
  */
