@@ -78,8 +78,7 @@ def serve_twice(model, work, **config) -> tuple[dict, dict, object]:
     return module, fused, engine
 
 
-@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("kv_cache_dtype,prefix_caching", [(name, True) for name in FORMATS] + [("int4", False)])
 def test_c_step_equals_the_module_path_token_for_token(kv_cache_dtype, prefix_caching):
     needs_kernels()
     assert kv_cache_dtype in C_STEP_KV_CACHE_DTYPES
