@@ -98,7 +98,7 @@ SMALLEST: dict[str, list[str]] = {
     "kvlab bench paged-decode --repeats 11 --block-sizes 16,64 --json reports/serving/paged_int8_fp16.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "16,64",
          "--json", "paged.json"],
-    "kvlab bench paged-decode --threads 1 --repeats 15 --block-sizes 16,64 --formats fp16,int8,int4,int2 "
+    "kvlab bench paged-decode --threads 1 --repeats 11 --block-sizes 64 --formats fp16,int8,int4,int2 "
     "--json reports/serving/paged_int4_fp16.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "64",
          "--formats", "fp16,int8,int4,int2", "--json", "paged4.json"],
