@@ -91,7 +91,8 @@ def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
     require_kernels()
     decoder = ggml_model(GQA)
     prompt = [3, 1, 4, 1, 5]
-    for dtype, in_c in (("int8", True), ("fp8", True), ("fp16", True), ("int4", False), ("kivi4", False)):
+    for dtype, in_c in (("int8", True), ("fp8", True), ("fp16", True), ("int4", True), ("int2", True),
+                        ("kivi4", False)):
         cache = cache_for_generation(decoder, 1, len(prompt) + 11, dtype)
         assert isinstance(cache, PooledRows)
         stats: dict = {}

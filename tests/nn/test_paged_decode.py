@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
-from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, quantize_groups
+from kvlab.cache.quantize import FP8_DTYPES, fp8_quantize, pack_codes, quantize_groups, unpack_codes
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CONSTANTS, MIRRORS, KVPlane, LlamaModel, abi_mismatches, abi_table
 from kvlab.nn.config import ModelConfig
@@ -79,8 +79,9 @@ def filled_pool(model: Decoder, positions: list[int], kv_cache_dtype: str, group
 def assert_pools_agree(ours: KVPool, reference: KVPool, batches: list[StepBatch], activations: str = "int16") -> None:
     """Every slot the decode steps `batches` did not write is untouched (bit for bit); the written
     ones hold what the module path wrote: as close as the logits for floats, one rounding step
-    for narrow floats, the same int8 codes (or one apart where an input sat on a rounding
-    boundary)."""
+    for narrow floats, the same int8/int4/int2 codes (or one apart where an input sat on a
+    rounding boundary; packed codes are compared unpacked)."""
+    bits = getattr(ours.codecs[0], "bits", 8)
     written = [(slot // BLOCK, slot % BLOCK) for batch in batches for slot in batch.slot_mapping.tolist()]
     blocks = torch.tensor([b for b, _ in written])
     offsets = torch.tensor([o for _, o in written])
@@ -96,7 +97,8 @@ def assert_pools_agree(ours: KVPool, reference: KVPool, batches: list[StepBatch]
                     f"layer {layer} {side}.{name}: a slot the step did not own changed"
                 assert torch.count_nonzero(new_b.float()) > 0
                 if name == "codes":
-                    gap = (new_a.int() - new_b.int()).abs()
+                    gap = (unpack_codes(new_a, bits, ours.k_head_dim).int() -
+                           unpack_codes(new_b, bits, ours.k_head_dim).int()).abs()
                     # one apart at most, and rarely: 5% of the codes, or 2 where a small model writes few
                     assert gap.max() <= 1 and (gap != 0).sum() <= max(2, 0.05 * gap.numel()), (layer, side, gap)
                 elif name in ("scale", "zero"):  # fp16 range ends of inputs equal to float summation order
@@ -113,7 +115,13 @@ def assert_pools_agree(ours: KVPool, reference: KVPool, batches: list[StepBatch]
 
 def check_steps(model: Decoder, positions: list[int], kv_cache_dtype: str = "auto", steps: int = 2,  # at most 2
                 group_size=None, **pool_args) -> None:
-    """Run `steps` decode steps both ways from one filled pool; compare logits and pools each step."""
+    """Run `steps` decode steps both ways from one filled pool; compare logits and pools each step.
+
+    int4 and int2 grids are coarse: where a code written by both paths sits on a rounding
+    boundary (one code apart, allowed), the next step's logits differ by that code's step of
+    the grid (1/15 or 1/3 of a group's range), not by summation order. So on those pools each
+    step after the first starts the module path from the C step's pool: the logits then
+    compare the arithmetic, and the codes are compared each step as they were written."""
     activations = {getattr(m, "activations", "int16") for m in model.modules()}
     activations = "int8" if "int8" in activations else "int16"  # the looser, where any layer has int8
     pool, tables, ids = filled_pool(model, positions, kv_cache_dtype, group_size, **pool_args)
@@ -123,6 +131,9 @@ def check_steps(model: Decoder, positions: list[int], kv_cache_dtype: str = "aut
     for index in range(steps):
         batch = StepBatch.build([p + index for p in positions], [1] * len(positions), tables, BLOCK)
         batches.append(batch)
+        if index and getattr(pool.codecs[0], "bits", 8) < 8:
+            reference = copy.deepcopy(pool)
+            batches = [batch]
         with torch.inference_mode():
             expected = model(ids[None], reference, last_only=True, step=batch)[0]
         got = step(ids, batch)
@@ -130,6 +141,15 @@ def check_steps(model: Decoder, positions: list[int], kv_cache_dtype: str = "aut
         assert_close_to_scale(got, expected, activations)
         assert_pools_agree(pool, reference, batches, activations)
         ids = expected.argmax(-1)
+
+
+def one_layer_if_coarse(config: ModelConfig, kv_cache_dtype: str) -> ModelConfig:
+    """int4/int2 models of one layer: with more, a last-bit difference in one layer's attention
+    can move a later layer's new K/V code across a rounding boundary within the same step, and
+    the logits would measure that step of a coarse grid (1/15 or 1/3 of a group's range)
+    instead of the arithmetic. The engine tests (tests/engine/test_engine_c_step.py) hold
+    deeper models to the module path's greedy tokens."""
+    return ModelConfig(**{**config.to_dict(), "n_layers": 1}) if kv_cache_dtype in ("int4", "int2") else config
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.name}-kv{c.kv_heads}")
@@ -140,11 +160,14 @@ def test_paged_steps_equal_module_steps(config, rows, activations):
 
 
 @pytest.mark.parametrize("kv_cache_dtype,group_size", [("fp16", None), ("bf16", None), ("fp8_e4m3", None),
-                                                       ("fp8_e5m2", None), ("int8", None), ("int8", 8)],
-                         ids=["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8-g8"])
+                                                       ("fp8_e5m2", None), ("int8", None), ("int8", 8), ("int4", None),
+                                                       ("int4", 8), ("int2", None), ("int2", 8)],
+                         ids=["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8-g8", "int4", "int4-g8", "int2",
+                              "int2-g8"])
 def test_narrow_pools_equal_module_steps(kv_cache_dtype, group_size):
-    """fp8 and int8 are dequantised inside C's attention loop; int8-g8 has two groups per head."""
-    check_steps(ggml_model(LONG), POSITIONS[3], kv_cache_dtype, group_size=group_size)
+    """fp8 and the group formats are dequantised inside C's attention loop; -g8 has two groups per head."""
+    check_steps(ggml_model(one_layer_if_coarse(LONG, kv_cache_dtype)), POSITIONS[3], kv_cache_dtype,
+                group_size=group_size)
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
@@ -165,14 +188,18 @@ PACKS = [WIDE, ModelConfig(**{**LONG.to_dict(), "n_heads": 8, "n_kv_heads": 1, "
 
 @pytest.mark.parametrize("config", PACKS, ids=lambda c: c.name)
 @pytest.mark.parametrize("kv_cache_dtype,group_size", [("auto", None), ("fp8_e4m3", None), ("int8", None),
-                                                       ("int8", 16)], ids=["fp32", "fp8_e4m3", "int8", "int8-g16"])
+                                                       ("int8", 16), ("int4", None), ("int4", 16), ("int2", 16)],
+                         ids=["fp32", "fp8_e4m3", "int8", "int8-g16", "int4", "int4-g16", "int2-g16"])
 def test_head_shapes_and_query_packs(config, kv_cache_dtype, group_size):
-    check_steps(ggml_model(config), POSITIONS[3], kv_cache_dtype, group_size=group_size, steps=1)
+    check_steps(ggml_model(one_layer_if_coarse(config, kv_cache_dtype)), POSITIONS[3], kv_cache_dtype,
+                group_size=group_size, steps=1)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("activations", ["int16", "int8"])
-def test_seventeen_rows_in_an_int8_pool(activations):
-    check_steps(ggml_model(LONG.with_kv_heads(1), activations=activations), POSITIONS[17], "int8", steps=1)
+def test_seventeen_rows_in_a_group_pool(activations, kv_cache_dtype):
+    check_steps(ggml_model(one_layer_if_coarse(LONG.with_kv_heads(1), kv_cache_dtype), activations=activations),
+                POSITIONS[17], kv_cache_dtype, steps=1)
 
 
 # Heads of 64 and 128 channels, which AVX-512 attends in units of their own (int8 with one
@@ -258,9 +285,10 @@ def test_a_bad_block_or_batch_is_refused_not_overrun():
 
 
 @pytest.mark.parametrize("change,reason", [
-    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int4")), "not int4"),
-    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int2")), "not int2"),
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int8", group_size=12)), "multiple of 8"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int4", group_size=12)), "not int4"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int2", group_size=4)), "not int2"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, 32, "kivi4", seats=2)), "not KIVI"),
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "fp16", torch.float16)), "fp32 values"),
     (lambda model: (model, KVPool.for_model(LONG.with_kv_heads(1), 8, BLOCK)), "KV heads and head dim"),
     (lambda model: (model, model.new_cache(1, 8)), "KVPool"),
@@ -272,6 +300,21 @@ def test_what_cannot_run_in_c_says_why(change, reason):
     assert paged_step_for(model, pool, 4) is None
     with pytest.raises(ValueError, match="cannot run the paged decode step"):
         PagedDecodeStep(model, pool, 4)
+
+
+@pytest.mark.parametrize("field,value", [("cache_dtype", 8), ("cache_dtype", -1), ("group_size", 12),
+                                         ("group_size", 0)])
+def test_a_wrong_cache_descriptor_is_refused_by_the_c_side(field, value):
+    """The C step checks the format code and group size it is handed (-4) before touching the pool:
+    an int4 descriptor with an unknown code, or groups the loops cannot cut, writes nothing."""
+    model = ggml_model(LONG)
+    pool, tables, ids = filled_pool(model, [3, 7], "int4", group_size=8)
+    step = PagedDecodeStep(model, pool, max_rows=2)
+    before = [t.clone() for t in pool.tensors()]
+    setattr(step._struct, field, value)
+    with pytest.raises(ValueError, match="cannot run this cache format"):
+        step(ids, StepBatch.build([3, 7], [1, 1], tables, BLOCK))
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.tensors()))
 
 
 def test_paged_step_for_builds_the_step_where_it_applies():
@@ -296,19 +339,21 @@ def test_fp8_stores_round_as_torch_does(kernels_lib, name):
     assert torch.equal(ours, fp8_quantize(x, dtype).view(torch.uint8))
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("dim,group", [(16, 64), (64, 64), (64, 8), (24, 16), (128, 32)])
-def test_int8_stores_are_quantize_groups_byte_for_byte(kernels_lib, dim, group):
+def test_group_stores_are_quantize_groups_byte_for_byte(kernels_lib, dim, group, bits):
+    """int8/int4/int2 stores: quantize_groups' codes, scales and zeros, packed as pack_codes packs them."""
     generator = torch.Generator().manual_seed(dim + group)
     x = torch.randn(3000, dim, generator=generator) * torch.rand(3000, 1, generator=generator) * 8
     x[::7, :] = x[::7, :1]  # constant rows: scale 0
     x[1::7] = torch.round(x[1::7] * 2) / 2  # values on exact halves of a step, where rounding to even decides
-    codes = torch.empty(x.shape, dtype=torch.uint8)
+    codes = torch.full((3000, dim * bits // 8), 0xA5, dtype=torch.uint8)  # stale bytes the store must clear
     groups = -(-dim // group)
     scale, zero = torch.empty(3000, groups, dtype=torch.float16), torch.empty(3000, groups, dtype=torch.float16)
-    kernels_lib.kvlab_int8_quantize(x.data_ptr(), 3000, dim, group, codes.data_ptr(), scale.data_ptr(),
-                                    zero.data_ptr())
-    want_codes, want_scale, want_zero = quantize_groups(x, 8, group)
-    assert torch.equal(codes, want_codes)
+    kernels_lib.kvlab_group_quantize(x.data_ptr(), 3000, dim, group, bits, codes.data_ptr(), scale.data_ptr(),
+                                     zero.data_ptr())
+    want_codes, want_scale, want_zero = quantize_groups(x, bits, group)
+    assert torch.equal(codes, pack_codes(want_codes, bits))
     assert torch.equal(scale.view(torch.int16), want_scale.view(torch.int16))
     # zero points as values: a group whose minimum is 0 may store either sign of it (torch's
     # vectorised min picks either one), which dequantises alike

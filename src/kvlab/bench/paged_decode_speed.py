@@ -1,7 +1,7 @@
 """Decode steps over the engine's paged pool: the C step (kvlab.nn.paged_decode) against the module path.
 
     kvlab bench paged-decode [--repeats 15] [--rows 16] [--context 4096] [--threads N]
-                             [--block-sizes 16,64] [--json PATH]
+                             [--block-sizes 16,64] [--formats fp16,int8,fp8] [--json PATH]
 
 (its flags are kvlab.commands.bench_paged_cmd's; this module measures and writes the JSON).
 
@@ -11,7 +11,8 @@ one run, the contenders taking turns so that load from other processes falls on 
 1. `--rows` sequences at mixed positions (evenly from 64 to 1,024 tokens, shuffled blocks of 16
    tokens), one decode step for all of them: C step against the module path, fp16 pool;
 2. one sequence, then `--rows` sequences, at `--context` tokens: the C step on fp16, int8 and
-   fp8 (e4m3) pools, where the narrow pools read about half of fp16's bytes in attention. At
+   fp8 (e4m3) pools (or `--formats`: int4 and int2 too), where the narrow pools read about half
+   of fp16's bytes in attention (int4 with its fp16 scale and zero per 64 channels 0.28, int2 0.16). At
    one row the weights (112 MB a step) are read as often as SmolLM2's 94 MB of fp16 K/V at
    4,096 tokens, so halving the K/V can gain at most about 1.25x; at 16 rows the K/V is 93% of
    the bytes. Measured at each of `--block-sizes`: an attention unit reads one KV head's rows
@@ -54,7 +55,7 @@ def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
     for tensor in pool.tensors():
         if tensor.dtype == torch.uint8:
             tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, dtype=torch.uint8))
-        elif tensor.dtype == torch.float16 and kv_cache_dtype == "int8":  # per-group scale and zero
+        elif tensor.dtype == torch.float16 and kv_cache_dtype in ("int8", "int4", "int2"):  # per-group scale, zero
             tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.01)
         else:
             tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         long = by_block[block_size] = {}
         for rows in sorted({1, args.rows}):
             steps = {}
-            for dtype in ("fp16", "int8", "fp8"):
+            for dtype in args.formats:
                 pool, tables = random_pool(model, [args.context] * rows, dtype, block_size=block_size)
                 at = StepBatch.build([args.context] * rows, [1] * rows, tables, block_size)
                 steps[dtype] = (PagedDecodeStep(model, pool, rows), at)
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     result = {"batched_ms": batched, "long_context_by_block_size_ms": by_block,
               "settings": {"rows": args.rows, "context": args.context, "repeats": args.repeats,
-                           "block_sizes": args.block_sizes, "seed": 0},
+                           "block_sizes": args.block_sizes, "formats": args.formats,
+                           "seed": 0},
               "provenance": provenance(args.threads)}
     if args.json:
         write_json(Path(args.json), result)

@@ -10,7 +10,7 @@ from kvlab.plan.kv_formats import ACTIVATION_DTYPES
 from kvlab.plan.units import parse_bytes
 
 WEIGHTS_HELP = ("gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 activations; with an "
-                "fp32/fp16/bf16/fp8/int8 cache each decode step is one C call); gguf-a8: the same with int8 "
+                "fp32/fp16/bf16/fp8/int8/int4/int2 cache each decode step is one C call); gguf-a8: the same with int8 "
                 "activations on the 4-bit blocks, as llama.cpp (faster products, +0.4%% perplexity on SmolLM2, "
                 "near-tied tokens flip); dense: dequantise to fp32, transformers' arithmetic; int4: PyTorch's int4 "
                 "kernel (bf16 activations); auto: gguf where its C kernels build, else dense, and dense with "

@@ -21,6 +21,8 @@ _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # csrc/llama_decode.h's CACHE_*: the cache element formats the C steps read and write.
 CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 CACHE_INT8 = 5  # uint8 codes with fp16 scale and zero per group (kvlab.cache.codecs.GroupCodec, 8 bits)
+CACHE_INT4, CACHE_INT2 = 6, 7  # the same with 4- and 2-bit codes packed into bytes as GroupCodec packs them
+CACHE_GROUP_BITS = {8: CACHE_INT8, 4: CACHE_INT4, 2: CACHE_INT2}  # GroupCodec.bits -> CACHE_*
 CHUNK = 128  # tokens per attention work unit
 MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 
@@ -29,7 +31,8 @@ PAGED_STEP_ARGS = 13  # llama_paged_step's parameters (kvlab.nn.kernels declares
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
-             "CACHE_INT8": CACHE_INT8, "CHUNK": CHUNK, "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
+             "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK,
+             "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
              "PAGED_STEP_ARGS": PAGED_STEP_ARGS,
              "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"]}
 

@@ -130,8 +130,8 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.kvlab_arena_new.argtypes, lib.kvlab_arena_new.restype = [], ptr
     lib.kvlab_arena_free.argtypes, lib.kvlab_arena_free.restype = [ptr], None
     lib.kvlab_fp8_encode.argtypes, lib.kvlab_fp8_encode.restype = [i32, ptr, ptr, ctypes.c_size_t], None
-    lib.kvlab_int8_quantize.argtypes = [ptr, i32, i32, i32, ptr, ptr, ptr]
-    lib.kvlab_int8_quantize.restype = None
+    lib.kvlab_group_quantize.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, ptr]
+    lib.kvlab_group_quantize.restype = None
     lib.quantize_act.argtypes, lib.quantize_act.restype = [ptr, ctypes.c_size_t, ptr], None
     lib.kvlab_x8_isa.argtypes, lib.kvlab_x8_isa.restype = [], i32
     lib.kvlab_x8_set_isa.argtypes, lib.kvlab_x8_set_isa.restype = [i32], i32

@@ -7,11 +7,14 @@ step (csrc/llama_decode.c, `llama_paged_decode_step`) reads and writes the pool'
 tensors in place: row r writes its K/V at block_tables[r][pos // block_size], offset
 pos % block_size, and attends over its own blocks, all rows and layers in one call. fp8 and
 int8 pools are dequantised inside the attention loop, so at long context they read about
-half of fp16's bytes. Where the CPU has AVX-512 VNNI, int8 heads of a multiple of 64 channels
-(up to 256) with one scale per row skip that widening: their codes go into integer dot
-products (csrc/attend_int8.h), so those steps' logits differ from AVX2's in the last digits
-(tests hold them to the same tolerance as the module path). What it writes is what `KVPool.write` writes (the same rounding, the
-same int8 codes), so the module path, which stays the reference, can run any later step.
+half of fp16's bytes; int4 and int2 pools (GroupCodec's packed codes, with an fp16 scale and
+zero per group) likewise, each code widened in its lane from the packed word (int4 at SmolLM2's
+64-channel heads: 36 bytes a head-token against fp16's 128). Where the CPU has AVX-512 VNNI,
+int8 heads of a multiple of 64 channels (up to 256) with one scale per row skip that widening:
+their codes go into integer dot products (csrc/attend_int8.h), so those steps' logits differ
+from AVX2's in the last digits (tests hold them to the same tolerance as the module path).
+What it writes is what `KVPool.write` writes (the same rounding, the same int8/int4/int2
+codes), so the module path, which stays the reference, can run any later step.
 
 `paged_step_for(model, pool, max_rows)` returns a `PagedDecodeStep`, a callable
 (ids [S], StepBatch) -> logits [S, V] for steps where every sequence feeds one token, or
@@ -38,7 +41,7 @@ import torch
 from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_INT8, KVPlane
+from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, KVPlane
 from kvlab.nn.fused_decode import embed_rows, llama_struct, new_arena, why_not_model
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
@@ -54,8 +57,9 @@ def _cache_code(codec: RowCodec, head_dim: int) -> Optional[int]:
         return CACHE_DTYPES[codec.dtype]
     if type(codec) is Fp8Codec and codec.dtype in CACHE_DTYPES:
         return CACHE_DTYPES[codec.dtype]
-    if type(codec) is GroupCodec and codec.bits == 8 and (codec.group_size >= head_dim or codec.group_size % 8 == 0):
-        return CACHE_INT8
+    if type(codec) is GroupCodec and codec.bits in CACHE_GROUP_BITS and \
+            (codec.group_size >= head_dim or codec.group_size % 8 == 0):
+        return CACHE_GROUP_BITS[codec.bits]
     return None
 
 
@@ -81,8 +85,8 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     codes = [_cache_code(codec, config.head_size) for codec in pool.codecs]
     if codes[0] is None or codes[0] != codes[1] or type(pool.codecs[0]) is not type(pool.codecs[1]) \
             or getattr(pool.codecs[0], "group_size", 0) != getattr(pool.codecs[1], "group_size", 0):
-        return (f"the C step runs fp32, fp16, bf16, fp8 and int8 pools (int8 groups of a multiple of 8 channels), "
-                f"one format for K and V, not {pool.kv_format.name}")
+        return (f"the C step runs fp32, fp16, bf16, fp8, int8, int4 and int2 pools (groups of a multiple of 8 "
+                f"channels), one format for K and V, not {pool.kv_format.name}")
     return None
 
 

@@ -6,9 +6,10 @@
  *   fp16/bf16: round to nearest even, as torch's .to() does;
  *   fp8:       x / scale, clamped to the format's largest finite value, rounded to nearest
  *              even straight from fp32 (torch's c10 conversion; no double rounding via fp16);
- *   int8:      kvlab.cache.quantize.quantize_groups: min-max per group in fp32, scale =
- *              (max - min) / 255 and zero = min stored as fp16, codes = round-half-even of
- *              (x - zero) / scale against the *stored* fp16 values, clamped to 0..255.
+ *   int8/4/2:  kvlab.cache.quantize.quantize_groups: min-max per group in fp32, scale =
+ *              (max - min) / levels (255, 15, 3) and zero = min stored as fp16, codes =
+ *              round-half-even of (x - zero) / scale against the *stored* fp16 values,
+ *              clamped to 0..levels; int4/int2 codes packed as pack_codes packs them.
  * Loads widen eight channels to fp32 lanes. fp8 never goes through a lookup table: e5m2 is
  * the top byte of an fp16, and e4m3 placed in an fp16's bits is its value times 2^-8, so
  * both are one F16C conversion (the 2^8 joins the per-head scale, applied to whole dot
@@ -77,23 +78,38 @@ static inline __m128i fp8_encode8(__m256 x, int e4m3) {
     return _mm_packus_epi16(words, words);
 }
 
-/* One row x[d] as int8 groups of `gsize` channels (the last may be partial): codes[d], scale
- * and zero [ceil(d / gsize)] as fp16 bits. Plain fp32 division, never a reciprocal multiply,
- * and no fused multiply-add: the codes must be quantize_groups' to the byte. */
-static inline void int8_quantize_row(const float *x, int d, int gsize, uint8_t *codes, uint16_t *scale,
-                                     uint16_t *zero) {
+/* One row x[d] as groups of `gsize` channels (the last may be partial) of `bits`-bit codes
+ * (8, 4 or 2): codes packed 8 / bits a byte, the first channel in the lowest bits (row of
+ * d * bits / 8 bytes, rounded up), scale and zero [ceil(d / gsize)] as fp16 bits. Plain fp32
+ * division, never a reciprocal multiply, and no fused multiply-add: the codes must be
+ * quantize_groups' and pack_codes' to the byte. */
+static inline void group_quantize_row(const float *x, int d, int gsize, int bits, uint8_t *codes, uint16_t *scale,
+                                      uint16_t *zero) {
+    const int levels = (1 << bits) - 1, per_byte = 8 / bits;
+    if (bits < 8) memset(codes, 0, (size_t)(d * bits + 7) / 8);
     for (int g = 0, at = 0; at < d; g++, at += gsize) {
         const int end = at + gsize < d ? at + gsize : d;
         float lo = INFINITY, hi = -INFINITY;
         for (int i = at; i < end; i++) lo = fminf(lo, x[i]), hi = fmaxf(hi, x[i]);
-        scale[g] = f32_to_f16((hi - lo) / 255.0f);
+        const float range = hi - lo; /* -0 where fminf / fmaxf took a group of zeros' signs the other way round */
+        scale[g] = f32_to_f16((range == 0.0f ? 0.0f : range) / (float)levels);
         zero[g] = f32_to_f16(lo);
         const float z = f16_to_f32(zero[g]), s = f16_to_f32(scale[g]), step = s == 0.0f ? 1.0f : s;
         for (int i = at; i < end; i++) {
             const float code = rintf((x[i] - z) / step);
-            codes[i] = (uint8_t)(code < 0.0f ? 0.0f : code > 255.0f ? 255.0f : code);
+            const uint8_t c = (uint8_t)(code < 0.0f ? 0.0f : code > (float)levels ? (float)levels : code);
+            if (bits == 8)
+                codes[i] = c;
+            else
+                codes[i / per_byte] |= (uint8_t)(c << (i % per_byte * bits));
         }
     }
+}
+
+/* Bytes of one cache row of d channels (d a multiple of 8). */
+static inline size_t row_bytes(int dtype, int d) {
+    if (cache_grouped(dtype)) return (size_t)d * cache_code_bits(dtype) / 8;
+    return (size_t)d * (dtype == CACHE_F32 ? 4 : dtype <= CACHE_BF16 ? 2 : 1);
 }
 
 /* Row `slot` (a token of one KV head: block x heads x block_size + head x block_size + offset)
@@ -124,16 +140,21 @@ static inline void store_row(const kv_plane *p, int dtype, size_t slot, int head
         for (; j < d; j++) row[j] = fp8_encode(src[j] / p->fp8_scale[head], dtype == CACHE_FP8_E4M3);
         break;
     }
-    case CACHE_INT8: {
+    case CACHE_INT8:
+    case CACHE_INT4:
+    case CACHE_INT2: {
         const size_t groups = (size_t)(d + gsize - 1) / gsize;
-        int8_quantize_row(src, d, gsize, (uint8_t *)p->data + at, p->scale + slot * groups, p->zero + slot * groups);
+        group_quantize_row(src, d, gsize, cache_code_bits(dtype), (uint8_t *)p->data + slot * row_bytes(dtype, d),
+                           p->scale + slot * groups, p->zero + slot * groups);
         break;
     }
     }
 }
 
 /* Channels i .. i + 7 of row `slot`, widened to fp32 but not yet scaled: fp8 lanes come back
- * without their per-head scale (e4m3 also 2^-8 too small), int8 lanes as the bare codes. The
+ * without their per-head scale (e4m3 also 2^-8 too small), int8/int4/int2 lanes as the bare
+ * codes (int4's eight codes are one 32-bit word, int2's one 16-bit word: broadcast to every
+ * lane, each lane shifts its own code down, a mask keeps it). The
  * attention loop applies scales to whole dot products and weights instead (fp8_factor, the
  * int8 groups' scale and zero), which costs one multiply per token instead of one per lane. */
 static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int dtype, size_t slot, int i, int d) {
@@ -156,25 +177,35 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
                                        _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
         return _mm256_cvtph_ps(h);
     }
+    case CACHE_INT4: {
+        uint32_t word;
+        memcpy(&word, (const uint8_t *)p->data + slot * (d / 2) + i / 2, sizeof word);
+        const __m256i codes =
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0xF)));
+    }
+    case CACHE_INT2: {
+        uint16_t word;
+        memcpy(&word, (const uint8_t *)p->data + slot * (d / 4) + i / 4, sizeof word);
+        const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        return _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0x3)));
+    }
     default: /* CACHE_INT8 */
         return _mm256_cvtepi32_ps(
             _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)p->data + at))));
     }
 }
 
-/* Bytes per channel of each format's rows. */
-static inline int element_bytes(int dtype) { return dtype == CACHE_F32 ? 4 : dtype <= CACHE_BF16 ? 2 : 1; }
-
-/* Ask for row `slot` of plane p (and, for int8, its scale and zero) ahead of use. Attention
+/* Ask for row `slot` of plane p (and, for the group formats, its scale and zero) ahead of use. Attention
  * walks a row's blocks in table order, which the hardware prefetchers cannot follow past a
  * block (blocks sit anywhere in the pool): without this the loop waited on memory for each
  * block's first rows, and at long context stalls, not arithmetic, were most of its time. */
 static inline __attribute__((always_inline)) void prefetch_row(const kv_plane *p, int dtype, size_t slot, int d,
                                                               int groups) {
-    const int bytes = d * element_bytes(dtype);
+    const int bytes = (int)row_bytes(dtype, d);
     const char *row = (const char *)p->data + slot * (size_t)bytes;
     for (int at = 0; at < bytes; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
-    if (dtype == CACHE_INT8) {
+    if (cache_grouped(dtype)) {
         _mm_prefetch((const char *)(p->scale + slot * groups), _MM_HINT_T0);
         _mm_prefetch((const char *)(p->zero + slot * groups), _MM_HINT_T0);
     }

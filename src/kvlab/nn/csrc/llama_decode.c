@@ -15,8 +15,9 @@
  * token at position p in block block_tables[r][p / block_size], offset p % block_size. A
  * contiguous cache [batch, kv_heads, capacity, head_dim] is the case of one block of
  * `capacity` tokens per row (kvlab.cache.PooledRows). Stores and loads of each cache format are
- * kv_codecs.h's, so fp8 and int8 caches are dequantised inside the attention loop and read
- * half of fp16's bytes; with AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
+ * kv_codecs.h's, so fp8 and int8/int4/int2 caches are dequantised inside the attention loop
+ * and read half of fp16's bytes or less (int4 in groups of 64: 0.28 of it, int2 0.16); with
+ * AVX-512 VNNI, int8 heads that attend_int8.h takes run on integer
  * dot products instead (chunk_rows.integer), and fp8 heads that attend_fp8.h takes on sixteen
  * fp32 lanes converted through byte tables (chunk_rows.tables).
  */
@@ -161,7 +162,7 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* What one attention unit reads, resolved once: the chunk's cache rows and, for int8, one
+/* What one attention unit reads, resolved once: the chunk's cache rows and, for the group formats, one
  * group's scale and zero per row widened to fp32 (refilled per group, used by every head). */
 typedef struct {
     size_t slots[CHUNK]; /* row (block, head, offset) of each of the chunk's tokens */
@@ -182,7 +183,7 @@ static inline int consecutive(const size_t *slots, int n) {
     return 1;
 }
 
-/* Group g's int8 scale and zero of every row of the chunk into c (K's and V's), zero-padded
+/* Group g's scale and zero (int8/int4/int2) of every row of the chunk into c (K's and V's), zero-padded
  * to a multiple of 8 rows; with one group per row, runs of 8 rows in a block convert at once. */
 static void load_group(const llama_layer *l, chunk_rows *c, int g) {
     const uint16_t *from[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
@@ -251,7 +252,7 @@ static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, 
 
 /* GH (1..4) query heads sharing one KV head over one chunk: scores, softmax partials, then the
  * weighted values (TB keys, NV value vectors a pass, so the accumulators fit AVX2's 16
- * registers). int8's scale and zero apply per group of channels to whole dot products and
+ * registers). The group formats' scale and zero apply per group of channels to whole dot products and
  * weights, never per lane: q . k = sum_g scale_g (q_g . codes_g) + zero_g sum(q_g), and
  * sum_t p_t v_t = sum_t (p_t scale_t) codes_t + sum_t p_t zero_t, within each group. */
 static inline __attribute__((always_inline)) void attend_heads(const llama_layer *l, int dtype, chunk_rows *c,
@@ -259,8 +260,8 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                                                               float v_factor, float *part_max, float *part_sum,
                                                               float *out, const int GH) {
     const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2, d = c->d;
-    const int groups = dtype == CACHE_INT8 ? c->groups : 1, gsize = dtype == CACHE_INT8 ? c->gsize : d;
-    float part[4 * CHUNK]; /* int8: one group's dot products, or its weights */
+    const int grouped = cache_grouped(dtype), groups = grouped ? c->groups : 1, gsize = grouped ? c->gsize : d;
+    float part[4 * CHUNK]; /* group formats: one group's dot products, or its weights */
     int t;
     if (dtype == CACHE_INT8 && c->integer) { /* one group: the whole row, in attend_int8_vnni.c */
         const int8_chunk rows = {l->k.data, l->v.data, c->slots, c->len, d, c->k_scale, c->k_zero, c->v_scale, c->v_zero};
@@ -274,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     }
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
-        float *dots = dtype == CACHE_INT8 ? part : scores;
+        float *dots = grouped ? part : scores;
         for (t = 0; t + TB <= c->len; t += TB) {
             if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
                 for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
@@ -284,7 +285,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
             key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
         }
         for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
-        if (dtype != CACHE_INT8) break;
+        if (!grouped) break;
         load_group(l, c, g);
         for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
@@ -315,7 +316,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
         }
         total = hsum(sum);
         for (; t < c->len; t++) total += sh[t] = expf(sh[t] - top);
-        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the int8 passes below */
+        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the group formats' passes below */
         part_max[h] = top, part_sum[h] = total;
     }
     float offset[4];
@@ -323,7 +324,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         const float *w = scores;
         for (int h = 0; h < GH; h++) offset[h] = 0.0f;
-        if (dtype == CACHE_INT8) { /* the weights' share of the zeros, then the scales folded into the weights */
+        if (grouped) { /* the weights' share of the zeros, then the scales folded into the weights */
             if (groups > 1) load_group(l, c, g); /* one group: still loaded from the key pass */
             for (int h = 0; h < GH; h++) {
                 __m256 share = _mm256_setzero_ps();
@@ -348,7 +349,7 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
  * exp-weighted sum of values; `combine_heads` merges the chunks, as flash-decoding does. The
  * chunk's rows are looked up in the row's block table once (chunks need not align with
  * blocks); the query heads then go over them in packs of up to four, so each key and value
- * is read and widened (dequantised, for fp8 and int8) once per pack, not once per head: that
+ * is read and widened (dequantised, for fp8 and the group formats) once per pack, not once per head: that
  * widening costs more than fp16's, and paid per head it ate the narrow formats' saving in
  * bytes. Inlined once per cache format (attend_unit), so the loops carry no format test. */
 static inline __attribute__((always_inline)) void attend_chunk(const llama_model *m, const llama_layer *l,
@@ -364,7 +365,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
     chunk_rows c;
     c.len = end - start, c.d = d;
-    c.gsize = dtype == CACHE_INT8 && m->group_size < d ? m->group_size : d;
+    c.gsize = cache_grouped(dtype) && m->group_size < d ? m->group_size : d;
     c.groups = (d + c.gsize - 1) / c.gsize;
     c.integer = dtype == CACHE_INT8 && c.groups == 1 && d % 64 == 0 && d <= INT8_DOT_MAX_HEAD_DIM &&
                 kvlab_x8_isa() == X8_ISA_AVX512_VNNI;
@@ -374,7 +375,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         const size_t base = ((size_t)table[t / bs] * hkv + kvh) * bs;
         const int offset = t % bs, run = bs - offset < end - t ? bs - offset : end - t;
         for (int u = 0; u < run; u++) c.slots[at++] = base + offset + u;
-        if (dtype == CACHE_INT8) { /* the run's scales and zeros (first and last line), wanted after the key dots */
+        if (cache_grouped(dtype)) { /* the run's scales and zeros (first and last line), wanted after the key dots */
             const uint16_t *meta[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
             for (int f = 0; f < 4; f++) {
                 _mm_prefetch((const char *)(meta[f] + (base + offset) * c.groups), _MM_HINT_T0);
@@ -410,7 +411,9 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
     case CACHE_BF16: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_BF16); break;
     case CACHE_FP8_E4M3: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E4M3); break;
     case CACHE_FP8_E5M2: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_FP8_E5M2); break;
-    default: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8); break;
+    case CACHE_INT8: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT8); break;
+    case CACHE_INT4: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT4); break;
+    default: attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT2); break;
     }
 }
 
@@ -591,8 +594,8 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
                       int max_blocks, int block_size, int num_blocks) {
     if (rows < 1 || max_blocks < 1 || block_size < 1 || m->n_groups < 1) return -2;
     if (m->n_heads % m->n_kv_heads || m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
-    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT8 || m->head_dim % 8 ||
-        (m->cache_dtype == CACHE_INT8 && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
+    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT2 || m->head_dim % 8 ||
+        (cache_grouped(m->cache_dtype) && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
         (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;
     for (int i = 0; i < m->n_layers; i++)
@@ -618,7 +621,7 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
  * the next-token scores, and each layer's cache gains row r's K/V at its position. Returns 0;
  * -1 when scratch memory cannot be had; -2 when a position, block or table is outside what
  * the model and cache hold; -3 when the heads do not group (at most MAX_GROUP query heads per
- * KV head); -4 for a cache format or int8 group size this step cannot run. Rows must not
+ * KV head); -4 for a cache format or group size this step cannot run. Rows must not
  * share a (block, offset): each writes its own token. */
 int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, const int32_t *block_tables,
                      int max_blocks, int block_size, int num_blocks, float *x, const int32_t *logit_rows, int n_logits,
@@ -707,10 +710,11 @@ void kvlab_fp8_encode(int e4m3, const float *x, uint8_t *out, size_t n) {
     for (; i < n; i++) out[i] = fp8_encode(x[i], e4m3);
 }
 
-void kvlab_int8_quantize(const float *x, int rows, int d, int gsize, uint8_t *codes, uint16_t *scale,
-                         uint16_t *zero) {
+void kvlab_group_quantize(const float *x, int rows, int d, int gsize, int bits, uint8_t *codes, uint16_t *scale,
+                          uint16_t *zero) {
     const int groups = (d + gsize - 1) / gsize;
+    const size_t row = (size_t)(d * bits + 7) / 8;
     for (int r = 0; r < rows; r++)
-        int8_quantize_row(x + (size_t)r * d, d, gsize, codes + (size_t)r * d, scale + (size_t)r * groups,
-                          zero + (size_t)r * groups);
+        group_quantize_row(x + (size_t)r * d, d, gsize, bits, codes + (size_t)r * row, scale + (size_t)r * groups,
+                           zero + (size_t)r * groups);
 }

@@ -18,7 +18,15 @@ enum {
     CACHE_FP8_E4M3 = 3, /* torch.float8_e4m3fn: value = x * fp8_scale[head] */
     CACHE_FP8_E5M2 = 4, /* torch.float8_e5m2 */
     CACHE_INT8 = 5,     /* uint8 codes, fp16 scale and zero per group: value = code * scale + zero */
+    CACHE_INT4 = 6,     /* as int8 with 4-bit codes, two a byte, the first channel in the low nibble */
+    CACHE_INT2 = 7,     /* as int8 with 2-bit codes, four a byte, the first channel in the lowest bits */
 };
+
+/* The group formats (int8/int4/int2: codes with an fp16 scale and zero per group of channels)
+ * share every loop; only how a row's codes are packed differs. */
+static inline int cache_grouped(int dtype) { return dtype >= CACHE_INT8; }
+
+static inline int cache_code_bits(int dtype) { return dtype == CACHE_INT4 ? 4 : dtype == CACHE_INT2 ? 2 : 8; }
 
 #define CHUNK 128    /* tokens per attention work unit */
 #define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
@@ -57,8 +65,9 @@ enum {
 /* One side (K or V) of one layer's cache. Float and fp8 caches use `data` alone (and fp8 its
  * per-head scales); int8 caches keep codes in `data` and per-group fp16 scale/zero beside. */
 typedef struct {
-    void *data;              /* [blocks, n_kv_heads, block_size, head_dim] elements (codes for int8) */
-    uint16_t *scale, *zero;  /* int8: [blocks, n_kv_heads, block_size, groups] fp16 bits; else NULL */
+    void *data;              /* [blocks, n_kv_heads, block_size, head_dim] elements; group formats: their
+                                packed codes, head_dim * bits / 8 bytes a row */
+    uint16_t *scale, *zero;  /* group formats: [blocks, n_kv_heads, block_size, groups] fp16 bits; else NULL */
     const float *fp8_scale;  /* fp8: [n_kv_heads] static scales; else NULL */
 } kv_plane;
 
@@ -86,7 +95,7 @@ typedef struct {
     int rope_len;         /* positions the RoPE tables cover */
     int rope_interleaved; /* 0: channel i pairs with i + head_dim/2; 1: 2i pairs with 2i + 1 */
     int cache_dtype;      /* CACHE_*; head_dim is a multiple of 8 */
-    int group_size;       /* CACHE_INT8: channels per scale/zero group (a multiple of 8, or >= head_dim) */
+    int group_size;       /* CACHE_INT8/4/2: channels per scale/zero group (a multiple of 8, or >= head_dim) */
     int activation;       /* ACT_* */
     float eps;
     float query_scale;    /* the attention logits' scale; 0: 1 / sqrt(head_dim) */
