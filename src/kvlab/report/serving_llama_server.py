@@ -41,12 +41,13 @@ def llama_server_verdicts(result: dict) -> list[str]:
     return lines
 
 
-def llama_server_section(result: Optional[dict], table_lines: list[str]) -> list[str]:
-    """The section: what ran, the compare table (`table_lines`, rendered by the caller), the verdicts."""
-    lines = ["## llama.cpp's own server (llama-server)", ""]
+def llama_server_section(result: Optional[dict], table_lines: list[str], length: int, piece: str) -> list[str]:
+    """The section for one prompt length: what ran, the compare table (`table_lines`, rendered by the caller),
+    the verdicts."""
+    lines = [f"## llama.cpp's own server (llama-server), {length}-token prompts", ""]
     if result is None:
         return lines + ["Not measured yet: `scripts/build_llama_server.sh`, then "
-                        "`PIECES=llamaserver scripts/serving_report.sh`.", ""]
+                        f"`PIECES={piece} scripts/serving_report.sh`.", ""]
     return lines + [
         "`kvlab serve` with its defaults against llama.cpp's C++ server on the same GGUF (`llama-server -np 32`, "
         "continuous batching over 32 slots of 2,048 tokens, built by `scripts/build_llama_server.sh`: AVX2, "
