@@ -8,7 +8,7 @@ import pytest
 from needs import require_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
+from test_c_model import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
 
 COSTS = {"requests": 16, "input_len": 128, "output_len": 24,
          "prefill_ms_per_token": {"1": 1.5, "16": 1.25}, "decode_step_ms": {"1": 8.0, "4": 12.0, "5": 14.0, "16": 32.0}}

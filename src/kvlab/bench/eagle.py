@@ -32,7 +32,7 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
     """Milliseconds for one draft round: the head over a full window and one token's embedding."""
     from kvlab.bench.spec_costs import timed
     from kvlab.engine import EngineConfig, LLMEngine
-    from kvlab.nn.fused_decode import embed_rows
+    from kvlab.nn.c_model import embed_rows
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1,
                                                       speculative_config={"method": "eagle", "model": head_path}))
     eagle = engine.runner.eagle

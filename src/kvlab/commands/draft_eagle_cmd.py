@@ -50,7 +50,7 @@ def run_train_eagle(args: argparse.Namespace) -> int:
     from kvlab.draft.eagle_train import (EagleTrainConfig, EagleTrainer, draft_vocabulary, evaluate,
                                          load_or_collect, new_head)
     from kvlab.engine.llm import load_for_engine
-    from kvlab.nn.fused_decode import embed_rows
+    from kvlab.nn.c_model import embed_rows
 
     started = time.monotonic()
     budget = args.max_minutes * 60 if args.max_minutes else None

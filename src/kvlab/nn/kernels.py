@@ -1,7 +1,7 @@
 """kvlab's C kernels: built once with the system's compiler, loaded with ctypes, and the
 instruction set their products run on.
 
-The products on GGUF blocks (kvlab.nn.ggml) and the whole decode step (kvlab.nn.fused_decode,
+The products on GGUF blocks (kvlab.nn.ggml) and the whole decode step (kvlab.nn.c_model,
 kvlab.nn.paged_decode) are one library compiled from csrc/.
 
 Where the CPU has AVX-512 VNNI the products' layout (kvlab.nn.ggml) is multiplied with vpdpwssd

@@ -237,7 +237,7 @@ def engine_line(path: str) -> dict:
     model = load_checkpoint(path, torch.float32, "dense").model
     try:
         engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype="bf16", kv_cache_memory=KV_SPACE_GIB * 2**30,
-                                                     max_model_len=min(4096, model.config.max_seq_len), fused=False))
+                                                     max_model_len=min(4096, model.config.max_seq_len), paged_step=False))
     except Exception as error:  # noqa: BLE001 - the engine's refusal is the cell's content
         return {"served": False, "why": f"{type(error).__name__}: {error}"}
     return {"served": True, "lines": engine.capacity_lines}

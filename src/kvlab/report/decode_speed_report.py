@@ -58,7 +58,7 @@ def render(folder: Path) -> str:
         f"{first['statistic']} ({first['repeats']} timed runs after a warm-up), the engines taking turns. kvlab "
         f"computes on the file's Q4_1/Q8_0 blocks (kvlab.nn.ggml, {ACTIVATIONS[first.get('weights', 'gguf')]}) "
         "and runs twice: with each decode "
-        "step fused into one C call (kvlab.nn.fused_decode, what `generate` does by default) and module by module. "
+        "step fused into one C call (kvlab.nn.c_model, what `generate` does by default) and module by module. "
         "transformers dequantises to fp32 or bf16.", "",
     ]
     for label, result in results.items():

@@ -170,7 +170,7 @@ def engine_line(setting: KVSetting, model) -> Optional[str]:
         return None
     from kvlab.engine.engine import EngineConfig, LLMEngine
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
-                                                 max_model_len=SERVE_CONTEXT, fused=False, kv_window=setting.window,
+                                                 max_model_len=SERVE_CONTEXT, paged_step=False, kv_window=setting.window,
                                                  sink_tokens=setting.sinks))
     return engine.capacity_lines[-1]
 
