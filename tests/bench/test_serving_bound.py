@@ -68,8 +68,10 @@ def test_a_model_without_the_c_step_has_no_costs():
 
 
 def test_bad_sizes_are_one_line_errors(capsys):
-    from kvlab.bench.serving_bound import main
+    from kvlab.cli import main
 
+    assert main(["bench", "serving-bound", "--output-len", "1"]) == 2
+    assert "--output-len is too small: 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        main(["--output-len", "1"])
-    assert exit_.value.code == 2 and "--output-len is too small: 1" in capsys.readouterr().err
+        main(["bench", "serving-bound", "--requests", "0"])
+    assert exit_.value.code == 2 and "expected a positive integer" in capsys.readouterr().err

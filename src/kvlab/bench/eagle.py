@@ -1,6 +1,6 @@
 """An EAGLE head on SmolLM2-135M: acceptance per draft position and the batch-1 greedy chat speed-up.
 
-    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.eagle --out reports/speculative/eagle
+    flock /tmp/kvlab-heavy.lock kvlab bench eagle --out reports/speculative/eagle
 
 Held-out ShareGPT first turns (never in the head's training split), greedy, batch 1, EOS
 ignored. Runs are interleaved in one process: plain decoding, then the head at each k, and
@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from kvlab.errors import KvlabError
 
 
 def default_head_dir() -> str:
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
                         "length_needed_for_1_5x": 1.5 * step_cost if step_cost else None,
                         "greedy_identical": all(r["outputs"] == plain_runs[0]["outputs"] for r in rs),
                         "runs_tok_s": [r["tok_s"] for r in rs]})
-    return {"benchmark": "eagle", "command": "python3 -m kvlab.bench.eagle " + " ".join(args.argv),
+    return {"benchmark": "eagle", "command": "kvlab " + " ".join(args.argv),
             "model": args.model, "head": args.head,
             "head_config": {k: v for k, v in head_meta.items() if k != "kvlab_train"},
             "head_training": {k: head_meta.get("kvlab_train", {}).get(k) for k in
@@ -105,69 +107,9 @@ def run(args: argparse.Namespace) -> dict:
             "results": results, "provenance": provenance()}
 
 
-def report(result: dict) -> str:
-    p = result["provenance"]
-    machine = p.get("machine", {})
-    cpu = f"{machine.get('cpu', 'this machine')} ({machine.get('torch_threads', '?')} threads)"
-    lines = ["# An EAGLE head on SmolLM2-135M", "",
-             "Regenerate with:", "", "```bash", f"flock /tmp/kvlab-heavy.lock {result['command']}", "```", "",
-             f"Measured at commit `{p.get('git_commit', '?')}` on {cpu}. Batch 1, greedy, {result['prompts']} held-out "
-             f"ShareGPT first turns, {result['max_tokens']} new tokens each (EOS ignored), {result['rounds']} "
-             "interleaved rounds; speed-up against the mean of every plain run in the same process "
-             f"({result['baseline_tok_s']:.1f} tok/s; runs " +
-             ", ".join(f"{v:.1f}" for v in result["baseline_runs_tok_s"]) + ").", ""]
-    training = result["head_training"]
-    val = (training.get("validation") or {}).get("chat", {})
-    hc = result["head_config"]
-    lines += [f"Head: {hc['n_heads']}x{hc['head_dim']} attention over a window of {hc['window']}, FFN {hc['ffn']}, "
-              f"draft vocabulary {hc['draft_vocab']:,} of {hc['target_vocab']:,} "
-              f"({(training.get('draft_vocab_coverage') or 0):.1%} of the target's training-set choices), "
-              f"{(training.get('params') or 0) / 1e6:.1f}M parameters; trained {training.get('step')} steps on "
-              f"{training.get('positions') or 0:,} positions in {training.get('train_seconds')} s "
-              f"({training.get('status')}); held-out greedy agreement {val.get('agree1', 0):.3f} at position 1, "
-              f"{val.get('agree2', 0):.3f} at position 2 (teacher-forced).", "",
-              f"Costs in plain steps (plain step {result['step_costs'].get('plain_step_ms', 0):.2f} ms): one head round "
-              f"{result['head_round_ms']:.2f} ms = {result['head_round_cost'] or 0:.3f}; verification of n tokens " +
-              ", ".join(f"n={n}: {v:.2f}" for n, v in result["step_costs"].get("verify_cost", {}).items()) + ".", "",
-              "| k | tok/s | speed-up | acceptance per position | mean acceptance length | step cost | "
-              "predicted L/cost | L needed for 1.5x | greedy identical |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
-        lines.append(f"| {r['k']} | {r['tok_s']:.1f} | **{r['speedup']:.2f}x** | "
-                     + " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-                     + f" | {r['mean_acceptance_length']:.2f} | {r['step_cost'] or 0:.2f} | "
-                     f"{r['predicted_speedup'] or 0:.2f}x | {r['length_needed_for_1_5x'] or 0:.2f} | "
-                     f"{r['greedy_identical']} |")
-    best = max(result["results"], key=lambda r: r["speedup"])
-    lines += ["", f"Best: k = {best['k']}, **{best['speedup']:.2f}x** (target 1.5x"
-              + (": met)." if best["speedup"] >= 1.5 else f": not met; at this step cost it needs a mean acceptance "
-                 f"length of {best['length_needed_for_1_5x'] or 0:.2f}, measured {best['mean_acceptance_length']:.2f}).")]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvlab.bench.eagle", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--head", default=default_head_dir(), help="the head (kvlab draft train --method eagle)")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="num_speculative_tokens (default 1 2 3)")
-    parser.add_argument("--prompts", type=int, default=6, help="held-out chat prompts, one after another (default 6)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
-    parser.add_argument("--out", default="reports/speculative/eagle", help="folder for results.json and README.md")
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+def run_command(args: argparse.Namespace) -> dict:
+    """`kvlab bench eagle`: the head checked, then `run`."""
+    args.head = args.head or default_head_dir()
     if not (Path(args.head) / "config.json").is_file():
-        print(f"kvlab: error: no EAGLE head in {args.head} (train one: kvlab draft train --method eagle)",
-              file=sys.stderr)
-        return 2
-    result = run(args)
-    from kvlab.files import write_atomic, write_json
-    out = Path(args.out)
-    write_json(out / "results.json", result)
-    write_atomic(out / "README.md", report(result))
-    print(report(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        raise KvlabError(f"no EAGLE head in {args.head} (train one: kvlab draft train --method eagle)")
+    return run(args)

@@ -76,6 +76,16 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def comma_list(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:

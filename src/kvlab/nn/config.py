@@ -182,3 +182,8 @@ class ModelConfig:
             max_context=self.max_seq_len,
             source="kvlab.nn.ModelConfig",
         )
+
+
+def plan_spec(config: dict) -> ModelSpec:
+    """kvlab.plan's view of a saved model config (a ModelConfig as a dict, as results files keep it)."""
+    return ModelConfig(**config).to_plan_spec()

@@ -1,24 +1,40 @@
 """reports/speculative/README.md from the benchmark's JSON: every figure in it comes from results.json.
 
-Written by `python3 -m kvlab.bench.speculative` at the end of its run; `python3 -m
-kvlab.bench.speculative_report reports/speculative` rewrites the README from an existing JSON.
+Written by `kvlab bench speculative` after every cell of its run; `kvlab report speculative`
+rewrites the README from an existing results.json. The drafts' KV bytes per token are kvlab.plan's
+arithmetic on their recorded shapes.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
+from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+from kvlab.plan.loaders import explicit_model
+
 TARGET_SPEEDUP = 1.5
-COMMAND = "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.speculative --out reports/speculative"
+COMMAND = "flock /tmp/kvlab-heavy.lock kvlab bench speculative --out reports/speculative"
 
 
 def _kv_bytes_per_token(config: dict) -> int:
-    from kvlab.nn.config import ModelConfig
-    from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
-    spec = ModelConfig(**config).to_plan_spec()
+    """fp16 KV bytes per token of a kvlab model config (a dense GQA decoder: the drafts and SmolLM2)."""
+    if config.get("attention", "gqa") != "gqa" or config.get("layer_types"):
+        raise ValueError("the speculative report counts KV bytes of full-attention GQA models only")
+    spec = explicit_model(config["n_layers"], config["n_heads"], config.get("n_kv_heads") or config["n_heads"],
+                          config.get("head_dim") or config["dim"] // config["n_heads"])
     return kv_bytes_per_sequence(spec, 1, cache_formats("fp16", model_dtype="fp32"))
+
+
+# what the benchmarks were once run as: a recorded command is shown as the sub-command that runs it today
+RENAMED = {"python3 -m kvlab.bench.speculative": "kvlab bench speculative", "python3 -m kvlab.bench.eagle": "kvlab bench eagle"}
+
+
+def current_command(recorded: str) -> str:
+    """The command a reader types today for the `recorded` one (results.json keeps what was run)."""
+    for old, new in RENAMED.items():
+        if recorded.startswith(old + " ") or recorded == old:
+            return new + recorded[len(old):]
+    return recorded
 
 
 def best(runs: list[dict]) -> dict:
@@ -34,7 +50,7 @@ def render(result: dict) -> str:
     prov = result["provenance"]
     lines = ["# Speculative decoding on SmolLM2-135M", "",
              "Regenerate with this command (the command that wrote this page; the trained drafts must exist, see below):", "",
-             "```bash", "flock /tmp/kvlab-heavy.lock " + result.get("command", COMMAND.split("lock ", 1)[1]), "```", "",
+             "```bash", "flock /tmp/kvlab-heavy.lock " + current_command(result.get("command", COMMAND.split("lock ", 1)[1])), "```", "",
              f"Measured at commit `{prov.get('git_commit')}` on {prov['machine']['cpu']} "
              f"({prov['machine']['torch_threads']} threads), {prov['time_utc']}. Each request asks for "
              f"{result['max_tokens']} new tokens (EOS ignored); batch 1 runs {result['prompts_batch1']} requests one "
@@ -221,21 +237,8 @@ def contrasts(cells: list[dict]) -> list[str]:
 
 
 def write_report(result: dict, out: Path) -> None:
-    from kvlab.files import write_json
+    """results.json (the run so far) and README.md from it, each written atomically."""
+    from kvlab.files import write_atomic, write_json
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)
-    tmp = out / "README.md.tmp"
-    tmp.write_text(render(result))
-    tmp.replace(out / "README.md")
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "reports/speculative")
-    write_report(json.loads((out / "results.json").read_text()), out)
-    print(f"wrote {out}/README.md")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    write_atomic(out / "README.md", render(result))
