@@ -107,6 +107,6 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 def write_head(head, out: str, summary: dict) -> None:
     """The head directory, written beside `out` and renamed into place (an old one is replaced)."""
-    from kvlab.commands.draft_cmd import replace_directory
+    from kvlab.files import write_directory
     from kvlab.nn.eagle import save_head
-    replace_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))
+    write_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))
