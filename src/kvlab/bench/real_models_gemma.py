@@ -1,14 +1,6 @@
-"""reports/real-models, second model (what is measured; kvlab.report.real_models_gemma lays it out): Gemma 3 270M, MQA with five sliding layers to each global one.
-
-It answers the question SmolLM2 cannot: what a cache format does to a model that already keeps
-one KV head and a 512-token window on 15 of its 18 layers, at 4,096-token passkey prompts where
-only the three global layers can reach the key. The rows are SmolLM2's formats on the original
-model, KVQuant with its own calibration (pre-RoPE keys rotated on read with each layer's table:
-Gemma's sliding layers use RoPE base 10,000, its global ones 1,000,000), and a sinks + window
-policy that turns the global layers into windowed ones too. Not here: KV-head conversions (it has
-one KV head already), and the engine's columns (kvlab's engine refuses sliding-window models: its
-pool keeps every layer's blocks).
-"""
+"""reports/real-models' second model, what is measured: Gemma 3 270M (MQA, five sliding layers to each global
+one) under SmolLM2's formats, its own KVQuant calibration and a sinks + window policy; kvlab.report.real_models_gemma
+says why and lays the rows out."""
 
 from __future__ import annotations
 

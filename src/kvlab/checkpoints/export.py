@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvlab.cache.base import TORCH_DTYPES
 from kvlab.checkpoints.tokenizer import Tokenizer
 from kvlab.files import write_directory
 from kvlab.nn.model import Decoder
@@ -36,12 +37,9 @@ class Source:
     stored_dtype: str = "fp32"  # how the file stores its matrices: fp32, or bf16 for anything narrower
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def output_dtype(requested: str, source: Source) -> torch.dtype:
     """--dtype: `auto` writes what the source ships (bf16 unless it stores fp32 matrices, like stories260K)."""
-    return DTYPES[source.stored_dtype if requested == "auto" else requested]
+    return TORCH_DTYPES[source.stored_dtype if requested == "auto" else requested]
 
 
 def load_source(name: str) -> Source:

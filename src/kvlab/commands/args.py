@@ -59,14 +59,23 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "non-negative")
 
 
-def positive_float(text: str) -> float:
+def _float_from(text: str, positive: bool) -> float:
+    kind = "positive" if positive else "non-negative"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0):  # nan fails both
+        raise argparse.ArgumentTypeError(f"expected a {kind} number, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _float_from(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    return _float_from(text, positive=False)
 
 
 def byte_size(text: str) -> int:
@@ -74,16 +83,6 @@ def byte_size(text: str) -> int:
         return parse_bytes(text)
     except PlanError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
 
 
 def comma_list(text: str) -> list[str]:

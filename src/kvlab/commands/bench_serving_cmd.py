@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from kvlab.commands.args import add_model_flags, positive_float, positive_int
+from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 
 PREFIX_TTFT = "time to first token with one shared prompt prefix, with and without prefix caching (the engine alone)"
 SERVING_BOUND = ("the C step's costs for the serving target's workload (one prefill of every prompt, decode steps "
@@ -39,7 +40,7 @@ def add_parsers(benches) -> None:
     p = benches.add_parser("serving-bound", help=SERVING_BOUND, description=SERVING_BOUND)
     p.add_argument("--model", default="smollm2-135m", help="a name, a .gguf file or a HF directory")
     add_model_flags(p, weights_default="gguf-a8", dtype=False)
-    p.add_argument("--kv-cache-dtype", default="fp16", help="the pool's format (default fp16)")
+    p.add_argument("--kv-cache-dtype", default="fp16", choices=POOL_KV_CACHE_DTYPES, help="the pool's format (default fp16)")
     p.add_argument("--requests", type=positive_int, default=16, help="prompts in flight (the target's concurrency)")
     p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens each (default 128)")
     p.add_argument("--output-len", type=positive_int, default=24, help="new tokens each, at least 2 (default 24)")
