@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.files import write_atomic
+from kvlab.report.markdown import table
 
 
 def _ppl(quality: Optional[dict], base: Optional[dict]) -> str:
@@ -53,8 +54,8 @@ def render(data: dict, variants, keys: list[str]) -> str:
              "time), change against the original; passkey retrieval at 2,048 tokens (24 keys: depths 0.1, 0.5, 0.9, "
              "4 keys each, seeds 0 and 1; the comparison rows, measured before training only, 12 keys of seed 0). Calibration and uptraining text: *Pride and Prejudice*, never the "
              "evaluation text. KV bytes per token: fp16, from kvlab plan of the written directory.", "",
-             "| model | conversion | KV B/token (fp16) | vs original | perplexity | passkey 2k | after uptraining | "
-             "passkey 2k | uptraining |", "|---|---|---|---|---|---|---|---|---|"]
+             ]
+    rows = []
     reports = [(steps.get(f"convert:{v.name}") or {}).get("report") or {} for v in variants]
     original_bytes = next((r["kv_bytes_per_token_fp16_before"] for r in reports if r), None)
     for v, report in zip(variants, reports):
@@ -67,20 +68,22 @@ def render(data: dict, variants, keys: list[str]) -> str:
         if v.convert and v.uptrain:
             training = f"{up['tokens']:,} tokens, {up['train_seconds'] / 60:.0f} min" if up else "–"
         trained = v.convert and v.uptrain
-        lines.append(f"| {v.label} | `{conv.get('command', 'kvlab convert ' + v.name) if v.convert else '–'}` | "
-                     f"{bytes_ if bytes_ else '–'} | {ratio} | {_ppl(before, base)} | {_keys(before)} | "
-                     f"{_ppl(after, base) if trained else ''} | {_keys(after) if trained else ''} | {training} |")
+        rows.append([v.label, f"`{conv.get('command', 'kvlab convert ' + v.name) if v.convert else '–'}`",
+                     bytes_ if bytes_ else "–", ratio, _ppl(before, base), _keys(before),
+                     _ppl(after, base) if trained else "", _keys(after) if trained else "", training])
+    lines += table(["model", "conversion", "KV B/token (fp16)", "vs original", "perplexity", "passkey 2k",
+                    "after uptraining", "passkey 2k", "uptraining"], rows)
     lines += ["", "## Capacity: what each server logs, against kvlab plan", "",
-              f"1 GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; kvlab's engine --kv-cache-memory), bf16. MLA "
+              "1 GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; kvlab's engine --kv-cache-memory), bf16. MLA "
               f"directories are served padded to vLLM's CPU kernel's 512 + 64 latent row (`kvlab convert DIR "
               f"--pad-latent 512`: the same function, a wider cache row), so their served capacity is that row's.", "",
-              "| model | stage | kvlab plan | real vLLM logged | = plan | kvlab serve (engine) | vLLM greedy = kvlab |",
-              "|---|---|---|---|---|---|---|"]
+              ]
+    rows = []
     for v in (v for v in variants if v.served):
         for stage in (("converted", "uptrained") if v.convert and v.uptrain else ("converted",)):
             row = steps.get(f"serving:{v.name}:{stage}")
             if row is None:
-                lines.append(f"| {v.label} | {stage} | – | – | – | – | – |")
+                rows.append([v.label, stage, "–", "–", "–", "–", "–"])
                 continue
             vllm = row.get("vllm", {})
             logged = (f"`{vllm['capacity_line']}`" if vllm.get("started")
@@ -88,26 +91,28 @@ def render(data: dict, variants, keys: list[str]) -> str:
             engine = row.get("kvlab_engine", {})
             engine_cell = f"`{engine['lines'][-1]}`" if engine.get("served") else f"not served: {engine.get('why', '')}"
             text = row.get("text_matches")
-            lines.append(f"| {v.label} | {stage} | `{row['plan']['log_lines'][1]}` | {logged} | "
-                         f"{'yes' if row.get('capacity_matches_plan') else 'no'} | {engine_cell} | "
-                         f"{', '.join(f'{k}: {_yes(m)}' for k, m in text.items()) if text else '–'} |")
+            rows.append([v.label, stage, f"`{row['plan']['log_lines'][1]}`", logged,
+                         "yes" if row.get("capacity_matches_plan") else "no", engine_cell,
+                         ", ".join(f"{k}: {_yes(m)}" for k, m in text.items()) if text else "–"])
+    lines += table(["model", "stage", "kvlab plan", "real vLLM logged", "= plan", "kvlab serve (engine)",
+                    "vLLM greedy = kvlab"], rows)
     lines += ["", "## Speed: `vllm bench serve` against each server", "",
               "Median TTFT ms / median ITL ms / output tok/s; random prompts of 128 or 1,024 tokens, 64 tokens out, "
               "2 x concurrency requests (at least 4). Uptrained directories (speed does not depend on the weights' "
               "values). One run per cell on a shared 2-core machine: read ratios within a row, not absolutes.", ""]
-    header = "| server | model | KV cache | " + " | ".join(
-        f"in {n} c={c}" for n in (128, 1024) for c in (1, 4, 16, 32)) + " |"
-    lines += [header, "|" + "---|" * (3 + 8)]
+    rows = []
     for server in ("vllm", "kvlab"):
         for v in (v for v in variants if v.served):
             for kv in ("auto", "fp8"):
                 grid = steps.get(f"speed:{server}:{v.name}:{kv}")
                 if grid is not None and not grid.get("served"):
-                    lines.append(f"| {server} | {v.label} | {kv} | " + f"not served: {grid['why']} |" + " |" * 7)
+                    rows.append([server, v.label, kv, f"not served: {grid['why']}", *[None] * 7])
                     continue
                 cells = (grid or {}).get("cells", {})
-                lines.append(f"| {server} | {v.label} | {kv} | " + " | ".join(
-                    _speed(cells.get(f"in{n}-c{c}"), grid) for n in (128, 1024) for c in (1, 4, 16, 32)) + " |")
+                rows.append([server, v.label, kv,
+                             *(_speed(cells.get(f"in{n}-c{c}"), grid) for n in (128, 1024) for c in (1, 4, 16, 32))])
+    lines += table(["server", "model", "KV cache", *(f"in {n} c={c}" for n in (128, 1024) for c in (1, 4, 16, 32))],
+                   rows)
     lines += ["", "## Uptraining record", ""]
     for v in variants:
         up = (steps.get(f"uptrain:{v.name}") or {}).get("report")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvlab.report.markdown import table
 from kvlab.report.speculative import current_command
 
 
@@ -29,15 +30,13 @@ def render(result: dict) -> str:
               f"Costs in plain steps (plain step {result['step_costs'].get('plain_step_ms', 0):.2f} ms): one head round "
               f"{result['head_round_ms']:.2f} ms = {result['head_round_cost'] or 0:.3f}; verification of n tokens " +
               ", ".join(f"n={n}: {v:.2f}" for n, v in result["step_costs"].get("verify_cost", {}).items()) + ".", "",
-              "| k | tok/s | speed-up | acceptance per position | mean acceptance length | step cost | "
-              "predicted L/cost | L needed for 1.5x | greedy identical |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
-        lines.append(f"| {r['k']} | {r['tok_s']:.1f} | **{r['speedup']:.2f}x** | "
-                     + " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-                     + f" | {r['mean_acceptance_length']:.2f} | {r['step_cost'] or 0:.2f} | "
-                     f"{r['predicted_speedup'] or 0:.2f}x | {r['length_needed_for_1_5x'] or 0:.2f} | "
-                     f"{r['greedy_identical']} |")
+              *table(["k", "tok/s", "speed-up", "acceptance per position", "mean acceptance length", "step cost",
+                      "predicted L/cost", "L needed for 1.5x", "greedy identical"],
+                     [[r["k"], f"{r['tok_s']:.1f}", f"**{r['speedup']:.2f}x**",
+                       " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+                       f"{r['mean_acceptance_length']:.2f}", f"{r['step_cost'] or 0:.2f}",
+                       f"{r['predicted_speedup'] or 0:.2f}x", f"{r['length_needed_for_1_5x'] or 0:.2f}",
+                       r["greedy_identical"]] for r in result["results"]])]
     best = max(result["results"], key=lambda r: r["speedup"])
     lines += ["", f"Best: k = {best['k']}, **{best['speedup']:.2f}x** (target 1.5x"
               + (": met)." if best["speedup"] >= 1.5 else f": not met; at this step cost it needs a mean acceptance "

@@ -128,14 +128,14 @@ def reliability_lines(r: Optional[dict]) -> list[str]:
         f"{r['requests_sent']:,} streamed requests at concurrency {r['max_concurrency']} with random short lengths, "
         f"{100 * r['disconnect_fraction']:.0f}% of the clients hanging up mid-stream ({provenance_text(r)}). "
         "tests/reliability asserts the same in CI on stories260K.", "",
-        "| requests sent | completed | cancelled by the client | failed | lost | HTTP statuses | "
-        "running / waiting after | KV pool used after | RSS after warm-up | RSS after the load |",
-        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-        f"| {r['requests_sent']:,} | {r['completed']:,} | {r['cancelled']:,} | {r['failed']} | {r['lost']} | "
-        f"{', '.join(f'{k}: {v:,}' for k, v in r['status_counts'].items())} | "
-        f"{after['num_requests_running']:.0f} / {after['num_requests_waiting']:.0f} | "
-        f"{100 * after['kv_cache_usage_perc']:.1f}% | {r['rss_after_warmup_bytes'] / 2**20:.0f} MiB | "
-        f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB ({100 * r['rss_change_fraction']:+.1f}%) |", "",
+        *table(["requests sent", "completed", "cancelled by the client", "failed", "lost", "HTTP statuses",
+                "running / waiting after", "KV pool used after", "RSS after warm-up", "RSS after the load"],
+               [[f"{r['requests_sent']:,}", f"{r['completed']:,}", f"{r['cancelled']:,}", r["failed"], r["lost"],
+                 ", ".join(f"{k}: {v:,}" for k, v in r["status_counts"].items()),
+                 f"{after['num_requests_running']:.0f} / {after['num_requests_waiting']:.0f}",
+                 f"{100 * after['kv_cache_usage_perc']:.1f}%", f"{r['rss_after_warmup_bytes'] / 2**20:.0f} MiB",
+                 f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB ({100 * r['rss_change_fraction']:+.1f}%)"]],
+               "rrrrrlrrrr"), "",
         f"The server generated {r['generation_tokens_during_load']:,.0f} tokens during the load; the clients counted "
         f"{r['client_counted_output_tokens']:,} in completed requests (the difference went to clients that hung up). "
         f"Output throughput {r['output_throughput']:.0f} tok/s, p99 end-to-end latency {r['p99_e2el_ms']:.0f} ms.", ""]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
 from kvlab.plan.loaders import explicit_model
+from kvlab.report.markdown import table
 
 TARGET_SPEEDUP = 1.5
 COMMAND = "flock /tmp/kvlab-heavy.lock kvlab bench speculative --out reports/speculative"
@@ -84,15 +85,17 @@ def render(result: dict) -> str:
                   "cosine schedule had not reached its last step when these weights were saved.", "",
                   "`kvlab draft train` (DistillSpec-style: SmolLM2's own answers, its top-20 log-probabilities, "
                   "forward KL), MQA with one 64-channel KV head, tied embeddings initialised from SmolLM2's by SVD.", "",
-                  "| draft | status | params | KV B/token (fp16) | steps | tokens | train s | val KL | val 1-TV | val greedy agreement |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  ]
+        rows = []
         for size, info in result["drafts"].items():
             v = info.get("validation") or {}
             kv = _kv_bytes_per_token(info["model_config"]) if info.get("model_config") else "?"
-            lines.append(f"| {size} | {info.get('status')} | {info.get('params', 0) / 1e6:.1f}M | {kv} | "
-                         f"{info.get('step')}/{info.get('steps')} | "
-                         f"{info.get('tokens', 0):,} | {info.get('train_seconds')} | {v.get('kl', 0):.3f} | "
-                         f"{v.get('acceptance_t1', 0):.3f} | {v.get('agree', 0):.3f} |")
+            rows.append([size, info.get("status"), f"{info.get('params', 0) / 1e6:.1f}M", kv,
+                         f"{info.get('step')}/{info.get('steps')}", f"{info.get('tokens', 0):,}",
+                         info.get("train_seconds"), f"{v.get('kl', 0):.3f}", f"{v.get('acceptance_t1', 0):.3f}",
+                         f"{v.get('agree', 0):.3f}"])
+        lines += table(["draft", "status", "params", "KV B/token (fp16)", "steps", "tokens", "train s", "val KL",
+                        "val 1-TV", "val greedy agreement"], rows)
         lines += ["", "Trained with:", "", "```bash"] + [
             str(info.get("command")) for info in result["drafts"].values()] + ["```"]
         lines += ["", "SmolLM2-135M's own KV is "
@@ -104,16 +107,13 @@ def render(result: dict) -> str:
     for cell in cells:
         lines += [f"### {cell_name(cell)}", "",
                   f"Without speculation: {cell['baseline_tok_s']:.1f} tok/s "
-                  f"(runs: {', '.join(f'{x:.1f}' for x in cell['baseline_runs_tok_s'])}).", "",
-                  "| method | k | acceptance rate | mean acceptance length | tok/s | speed-up |"
-                  + (" greedy identical |" if cell["temperature"] == 0 else ""),
-                  "|---|---|---|---|---|---|" + ("---|" if cell["temperature"] == 0 else "")]
-        for r in cell["runs"]:
-            row = (f"| {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | "
-                   f"{r['tok_s']:.1f} | {r['speedup']:.2f}x |")
-            if cell["temperature"] == 0:
-                row += f" {'yes' if r.get('greedy_identical') else 'NO'} |"
-            lines.append(row)
+                  f"(runs: {', '.join(f'{x:.1f}' for x in cell['baseline_runs_tok_s'])}).", ""]
+        greedy = cell["temperature"] == 0  # greedy runs also say whether the output is the plain one
+        rows = [[r["method"], r["k"], f"{r['acceptance_rate']:.3f}", f"{r['mean_acceptance_length']:.2f}",
+                 f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x"] + (["yes" if r.get("greedy_identical") else "NO"]
+                                                                  if greedy else []) for r in cell["runs"]]
+        lines += table(["method", "k", "acceptance rate", "mean acceptance length", "tok/s", "speed-up"]
+                       + (["greedy identical"] if greedy else []), rows)
         lines.append("")
     lines += ["## Where speculation stops paying", ""] + findings(cells)
     return "\n".join(lines) + "\n"
@@ -136,11 +136,9 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
              f"{costs['repetitions']} interleaved repetitions; the figures used are the mean): a plain batch-1 step "
              f"of the target takes {costs['plain_step_ms']:.2f} ms. Verifying n tokens (the last one and n - 1 "
              "drafts) in one step costs, in plain steps:", "",
-             "| n | " + " | ".join(verify) + " |", "|---|" + "---|" * len(verify),
-             "| cost | " + " | ".join(f"{v:.2f}" for v in verify.values()) + " |"]
-    if len(runs) > 1:
-        lines += [f"| {label} | " + " | ".join(f"{run['verify_cost'][n]:.2f}" for n in verify) + " |"
-                  for label, run in zip(("before", "after"), runs)]
+             *table(["n", *verify], [["cost", *(f"{v:.2f}" for v in verify.values())]]
+                    + ([[label, *(f"{run['verify_cost'][n]:.2f}" for n in verify)]
+                        for label, run in zip(("before", "after"), runs)] if len(runs) > 1 else []))]
     lines.append("")
     if costs["draft_cost"]:
         lines += ["One proposer round, per drafted token, in plain steps: "
@@ -154,9 +152,8 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
               "match; the other steps are plain (cost 1, one token), so over a whole answer the prediction is T / "
               "(T - D L + D cost) for T decoded tokens and D drafting steps, which is what the measured speed-up "
               "should be near. In greedy chat decode at batch 1:", "",
-              "| method | k | step cost | L measured | drafting steps pay | tokens from drafting steps | predicted "
-              f"| measured speed-up | L needed for {TARGET_SPEEDUP}x | paper's a needed |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              ]
+    rows = []
     for run in cell["runs"]:
         if str(run["k"] + 1) not in verify or (run["method"] not in costs["draft_cost"]
                                                and not run["method"].startswith("ngram")):
@@ -167,12 +164,14 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
         needed = TARGET_SPEEDUP * cost
         rate = acceptance_needed(TARGET_SPEEDUP, run["k"], costs["draft_cost"].get(run["method"], 0.0),
                                  verify[str(run["k"] + 1)])
-        lines.append(f"| {run['method']} | {run['k']} | {cost:.2f} | {length:.2f} | {length / cost:.2f}x | "
-                     f"{drafted / tokens:.0%} | {tokens / (tokens - drafted + drafts * cost):.2f}x | "
-                     f"{run['speedup']:.2f}x | "
-                     + (f"{needed:.2f} |" if needed <= run["k"] + 1 else f"{needed:.2f} (over k + 1: out of reach) |")
-                     + (f" {rate:.2f} |" if rate is not None else " - |"))
-    return lines + [""]
+        rows.append([run["method"], run["k"], f"{cost:.2f}", f"{length:.2f}", f"{length / cost:.2f}x",
+                     f"{drafted / tokens:.0%}", f"{tokens / (tokens - drafted + drafts * cost):.2f}x",
+                     f"{run['speedup']:.2f}x",
+                     f"{needed:.2f}" if needed <= run["k"] + 1 else f"{needed:.2f} (over k + 1: out of reach)",
+                     "-" if rate is None else f"{rate:.2f}"])
+    return lines + table(["method", "k", "step cost", "L measured", "drafting steps pay", "tokens from drafting steps",
+                          "predicted", "measured speed-up", f"L needed for {TARGET_SPEEDUP}x", "paper's a needed"],
+                         rows) + [""]
 
 
 SMOLLM2 = {"vocab_size": 49152, "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
@@ -182,13 +181,15 @@ SMOLLM2 = {"vocab_size": 49152, "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_
 def findings(cells: list[dict]) -> list[str]:
     """Sentences computed from the figures: best per cell, and the cells where nothing pays."""
     out = ["Best speed-up per cell (method, k, acceptance rate):", "",
-           "| workload | batch | temperature | best | speed-up | acceptance rate |", "|---|---|---|---|---|---|"]
+           ]
+    rows = []
     for cell in cells:
         if not cell["runs"]:
             continue
         top = best(cell["runs"])
-        out.append(f"| {cell['workload']} | {cell['batch']} | {cell['temperature']:g} | {top['method']} k={top['k']} | "
-                   f"{top['speedup']:.2f}x | {top['acceptance_rate']:.3f} |")
+        rows.append([cell["workload"], cell["batch"], f"{cell['temperature']:g}", f"{top['method']} k={top['k']}",
+                     f"{top['speedup']:.2f}x", f"{top['acceptance_rate']:.3f}"])
+    out += table(["workload", "batch", "temperature", "best", "speed-up", "acceptance rate"], rows)
     losing = [cell_name(c) for c in cells if c["runs"] and best(c["runs"])["speedup"] < 1.0]
     out += ["", ("Cells where no method beats plain decoding: " + "; ".join(losing) + ".") if losing
             else "Some method beats plain decoding in every cell.", ""]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from kvlab.report.markdown import table
+
 
 def render(result: dict) -> str:
     """The report's Markdown, from the JSON alone."""
@@ -15,17 +17,18 @@ def render(result: dict) -> str:
              f"vLLM CPU backend, VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']} GiB, `--dtype bfloat16`, "
              f"greedy, max_tokens {result['max_tokens']}, prompts sent as kvlab's token ids. "
              f"kvlab commit {prov.get('git_commit', '?')}.", "",
-             "| variant | KV heads | vLLM logged | kvlab plan predicts | equal | tokens vs original |",
-             "|---|---|---|---|---|---|"]
+             ]
+    rows = []
     for row in result["variants"]:
         v, p = row["vllm"], row["plan"]
         logged = f"`{v['capacity_line']}`" if v.get("started") else "vLLM did not start"
         ratio = f"{row['tokens_over_original']:.3f}x" if "tokens_over_original" in row else "-"
-        lines.append(f"| {row['variant']} | {p['kv_heads']} of {p['q_heads']} | {logged} | `{p['log_lines'][1]}` | "
-                     f"{'yes' if row.get('capacity_matches_plan') else 'no'} | {ratio} |")
+        rows.append([row["variant"], f"{p['kv_heads']} of {p['q_heads']}", logged, f"`{p['log_lines'][1]}`",
+                     "yes" if row.get("capacity_matches_plan") else "no", ratio])
+    lines += table(["variant", "KV heads", "vLLM logged", "kvlab plan predicts", "equal", "tokens vs original"], rows)
     lines += ["", f"Planner command: `{result['variants'][0]['plan']['command']}`." if result["variants"] else "", ""]
-    lines += ["## Greedy text", "", "| variant | prompt | vLLM (bf16) | kvlab fp32 | = | kvlab bf16 | = |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["## Greedy text", ""]
+    rows = []
     for row in result["variants"]:
         if not row["vllm"].get("started"):
             continue
@@ -35,7 +38,8 @@ def render(result: dict) -> str:
             for dtype in ("float32", "bfloat16"):
                 cells += [_cell(row["kvlab"][dtype][kind]["text"]),
                           "yes" if row["text_matches"][dtype][kind] else "**no**"]
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(cells)
+    lines += table(["variant", "prompt", "vLLM (bf16)", "kvlab fp32", "=", "kvlab bf16", "="], rows)
     odd = [f"{r['variant']} {kind}" for r in result["variants"] if r["vllm"].get("started")
            for kind in result["prompts"] if not r["text_matches"]["float32"][kind] and not r["text_matches"]["bfloat16"][kind]
            and r["kvlab"]["float32"][kind]["ids"] == r["kvlab"]["bfloat16"][kind]["ids"]]
