@@ -75,8 +75,8 @@ def render(data: dict, variants, keys: list[str]) -> str:
                     "after uptraining", "passkey 2k", "uptraining"], rows)
     lines += ["", "## Capacity: what each server logs, against kvlab plan", "",
               "1 GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; kvlab's engine --kv-cache-memory), bf16. MLA "
-              f"directories are served padded to vLLM's CPU kernel's 512 + 64 latent row (`kvlab convert DIR "
-              f"--pad-latent 512`: the same function, a wider cache row), so their served capacity is that row's.", "",
+              "directories are served padded to vLLM's CPU kernel's 512 + 64 latent row (`kvlab convert DIR "
+              "--pad-latent 512`: the same function, a wider cache row), so their served capacity is that row's.", "",
               ]
     rows = []
     for v in (v for v in variants if v.served):
