@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates reports/serving/: every JSON file, then README.md from them (kvlab.report.serving_report).
+# Regenerates reports/serving/: every JSON file, then README.md from them (`kvlab report serving`).
 #
 #   scripts/serving_report.sh                      # everything (see reports/serving/README.md for the cost)
 #   PIECES="kv spec" scripts/serving_report.sh     # only some pieces, then the README again
