@@ -45,7 +45,7 @@ class KvlabEngine:
 
     def __call__(self) -> list[int]:
         stats: dict = {}
-        ids = generate(self.loaded.model, self.prompt, self.new_tokens, paged_step=self.fused, stats=stats)
+        ids = generate(self.loaded.model, self.prompt, self.new_tokens, paged_step=self.paged_step, stats=stats)
         self.splits.append(stats)
         return ids[0].tolist()
 
