@@ -21,7 +21,7 @@ def test_each_sub_command_has_help(argv, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["bench", "structured", "--parts", "nope"], "unknown part 'nope'"),
     (["bench", "lm-eval", "--servers", "foo"], "unknown server 'foo'"),
-    (["bench", "eagle", "--head", "/nonexistent"], "no EAGLE head in /nonexistent"),
+    (["bench", "eagle", "--head", "/nonexistent"], "no eagle head in /nonexistent"),
     (["bench", "vllm-conversions", "--variants", "gqa"], "unknown variants ['gqa']"),
     (["report", "startup", "/nonexistent"], "no /nonexistent"),
 ])
