@@ -54,13 +54,15 @@ def blocks(text: str) -> list[tuple[int, int, list[tuple[str, str]]]]:
 
 
 ANY_FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
-COMMAND = re.compile(r"^(?:\$ )?((?:[A-Z_]+=\S+ )*kvlab \S.*)$")
+# a command shown as `flock LOCK kvlab ...` (a heavy run under the shared lock) is the kvlab command it runs
+COMMAND = re.compile(r"^(?:\$ )?(?:flock \S+ )?((?:[A-Z_]+=\S+ )*kvlab \S.*)$")
 
 
 def shown_commands(text: str) -> list[tuple[str, list[str]]]:
     """(fence language, [command]) for each fence of README.md showing `kvlab ...` commands, in order.
 
-    Every fence counts (```bash, ```console, ```text), with or without a `$ ` prompt; a trailing
+    Every fence counts (```bash, ```console, ```text), with or without a `$ ` prompt or a `flock LOCK`
+    prefix; a trailing
     `# comment` is dropped, a line ending in a backslash goes on on the next, `a; b` is two
     commands, leading VAR=value assignments stay. tests/test_readme_commands.py runs them.
     """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates reports/serving/: every JSON file, then README.md from them (kvlab.report.serving_report).
+# Regenerates reports/serving/: every JSON file, then README.md from them (`kvlab report serving`).
 #
 #   scripts/serving_report.sh                      # everything (see reports/serving/README.md for the cost)
 #   PIECES="kv spec" scripts/serving_report.sh     # only some pieces, then the README again
@@ -74,21 +74,21 @@ for piece in $PIECES; do
             --peer "kvlab-ngram-spec=$SERVE --speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'" \
             --input-len 128 --max-concurrency 1,16 "${COMMON[@]}" --json "$OUT/compare_spec.json" ;;
     ttft)
-        "${LOCK[@]}" python3 -m kvlab.bench.prefix_ttft --model "$MODEL" --json "$OUT/prefix_ttft_smollm2.json" ;;
+        "${LOCK[@]}" "${KVLAB[@]}" bench prefix-ttft --model "$MODEL" --json "$OUT/prefix_ttft_smollm2.json" ;;
     reliability)
-        "${LOCK[@]}" python3 -m kvlab.bench.reliability_figures --model "$MODEL" --json "$OUT/reliability.json" ;;
+        "${LOCK[@]}" "${KVLAB[@]}" bench reliability --model "$MODEL" --json "$OUT/reliability.json" ;;
     interop)
-        "${LOCK[@]}" python3 -m kvlab.bench.vllm_interop --model "$MODEL" --num-prompts 12 --output-len 24 \
+        "${LOCK[@]}" "${KVLAB[@]}" bench vllm-interop --model "$MODEL" --num-prompts 12 --output-len 24 \
             --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
     decode)
         "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --rounds 2 --json "$OUT/decode_sweep.json" ;;
     bound)
-        "${LOCK[@]}" python3 -m kvlab.bench.serving_bound --model "$MODEL" --weights gguf-a8 --kv-cache-dtype fp16 \
+        "${LOCK[@]}" "${KVLAB[@]}" bench serving-bound --model "$MODEL" --weights gguf-a8 --kv-cache-dtype fp16 \
             --json "$OUT/serving_bound.json" ;;
     lmeval)
-        "${LOCK[@]}" python3 -m kvlab.bench.lm_eval_compare --model "$MODEL" --json "$OUT/lm_eval.json" ;;
+        "${LOCK[@]}" "${KVLAB[@]}" bench lm-eval --model "$MODEL" --json "$OUT/lm_eval.json" ;;
     structured)
-        "${LOCK[@]}" python3 -m kvlab.bench.structured --model "$MODEL" --json "$OUT/structured.json" ;;
+        "${LOCK[@]}" "${KVLAB[@]}" bench structured --model "$MODEL" --json "$OUT/structured.json" ;;
     plain)
         before=$(mktemp -d)
         git archive "$BASE" src | tar -x -C "$before"
@@ -100,4 +100,4 @@ for piece in $PIECES; do
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done
-python3 -m kvlab.report.serving_report "$OUT"
+"${KVLAB[@]}" report serving "$OUT"

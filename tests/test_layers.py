@@ -3,7 +3,10 @@
 The order as built: plan (stdlib only) < cache < nn < train < checkpoints (which reads the
 trainer's checkpoint format) < engine < server; the fleet simulator and draft training sit on
 the engine, evaluations on the lab; then bench (measures, writes JSON) < report (renders JSON)
-< studies (measure and report) < commands (the parsers) < cli. Every package has its place:
+< studies (measure and report) < commands (the parsers) < cli. report/ renders and measures
+nothing, so beyond the order it imports none of the lab or the engine (no model, cache,
+checkpoint, trainer, engine or server code): only kvlab.plan's arithmetic, bench's constants and
+the JSON. Every package has its place:
 a new upward import fails here, naming the file. (kvlab.files and kvlab.errors are stdlib-only
 modules every layer may use.)
 """
@@ -27,7 +30,9 @@ ABOVE = {
     "evals": {"engine", "server", "fleet", "draft"} | TOP,
     "draft": {"server", "fleet", "evals"} | TOP,
     "bench": TOP - {"bench"},
-    "report": TOP - {"bench", "report"},
+    # report renders JSON: nothing that builds a model, a cache, an engine or a server, directly
+    "report": TOP - {"bench", "report"} | {"nn", "cache", "checkpoints", "train", "engine", "server", "fleet", "evals",
+                                           "draft"},
     "studies": {"commands", "cli", "__main__"},
     "commands": {"cli", "__main__"},
 }
@@ -61,3 +66,9 @@ def test_the_rule_catches_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from kvlab.commands.plan_args import model_from_args\n")
     assert kvlab_imports(module) & ABOVE["fleet"] == {"commands"}
+
+
+def test_a_report_module_that_builds_an_engine_fails(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def render():\n    from kvlab.engine.engine import LLMEngine\n    import kvlab.nn.config\n")
+    assert kvlab_imports(module) & ABOVE["report"] == {"engine", "nn"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,25 @@ SMALLEST: dict[str, list[str]] = {
         ["kvlab", "bench", "serve", "--base-url", "{server}", "--model", "stories260k", "--num-prompts", "4",
          "--input-len", "16", "--output-len", "4", "--range-ratio", "0.5", "--max-concurrency", "1,2",
          "--goodput", "ttft:100", "tpot:20", "--disable-tqdm"],
+    "kvlab bench eagle --head '~/.cache/kvlab/drafts/smollm2-eagle' --out reports/speculative/eagle":
+        ["kvlab", "bench", "eagle", "--head", "eagle-head", "--k", "1", "--prompts", "1", "--max-tokens", "4",
+         "--rounds", "1", "--out", "eagle-out"],
+    "kvlab bench eagle --method eagle medusa --k 1 2 3 --batch 1 4 --temperature 0 0.7 1.0 --prompts 5 "
+    "--max-tokens 64 --rounds 2 --out reports/speculative/heads":
+        ["kvlab", "bench", "eagle", "--method", "eagle", "medusa", "--head", "eagle-head", "--medusa-head",
+         "medusa-head", "--k", "1", "--batch", "1", "2", "--temperature", "0", "1.0", "--prompts", "2",
+         "--max-tokens", "4", "--rounds", "1", "--out", "heads-out"],
+    "kvlab bench vllm-interop":  # the ratios of so short a run mean nothing: only that both clients ran
+        ["kvlab", "bench", "vllm-interop", "--num-prompts", "1", "--max-concurrency", "1", "--input-len", "8",
+         "--output-len", "2", "--prefix-len", "8", "--tolerance", "1000"],
+    "kvlab bench serving-bound":
+        ["kvlab", "bench", "serving-bound", "--requests", "2", "--input-len", "8", "--output-len", "2",
+         "--repetitions", "1"],
+    "kvlab bench conversions --max-seconds 1080":  # no step in time: the page from an empty results.json
+        ["kvlab", "bench", "conversions", "--max-seconds", "0", "--out", "conversions-report"],
+    "kvlab bench conversions --only quality:mqa:,convert:mla50":
+        ["kvlab", "bench", "conversions", "--only", "quality:mqa:,convert:mla50", "--max-seconds", "0", "--out",
+         "conversions-report"],
     "kvlab bench compare smollm2-135m --input-len 128,1024 --max-concurrency 1,4,16,32 --output-len 24":
         ["kvlab", "bench", "compare", "smollm2-135m", "--peers", "kvlab", "--input-len", "16", "--max-concurrency", "1",
          "--output-len", "4", "--num-prompts", "2", "--disable-tqdm"],
@@ -178,6 +198,8 @@ def scratch(tmp_path_factory) -> Path:
         '{"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, '
         '"hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000, "max_position_embeddings": 2048, '
         '"torch_dtype": "bfloat16"}')
+    for report in ("serving", "conversions"):  # `kvlab report NAME` re-renders a copy of the committed folder
+        shutil.copytree(ROOT / "reports" / report, folder / "reports" / report)
     text = (SHARED / "data" / "tinyshakespeare.txt")
     if text.is_file():
         body = text.read_text(encoding="utf-8")
@@ -244,6 +266,9 @@ def _needs(command: str) -> None:
         require_smollm2()
     if "stories260k" in command.lower():
         require_file(SHARED / "models" / "stories260K.gguf", "../shared/models/stories260K.gguf")
+    if "vllm-interop" in command:
+        require_file(Path(os.environ.get("KVLAB_VLLM_PYTHON", "/work/venv-vllm/bin/python")), "the vLLM venv "
+                     "(scripts/setup_vllm_venv.sh)")
     if "../shared/data/" in command or "novel.txt" in command:
         require_file(SHARED / "data" / "tinyshakespeare.txt", "../shared/data/tinyshakespeare.txt")
 

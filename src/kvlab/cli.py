@@ -30,7 +30,9 @@ COMMANDS = {
     "export": ("export_cmd", "the vllm serve command for a converted model, and the capacity vLLM will log"),
     "fleet": ("fleet_cmd", "size a serving fleet: simulate the engine's scheduler for tail latency, cards and cost"),
     "bench": ("bench_cmd", "benchmarks: throughput, decode (offline), serve (a server under load), compare "
-                           "(peers), paged-decode (the C step by KV format and block size)"),
+                           "(peers), paged-decode (the C step by KV format and block size), and every report's "
+                           "measurement (speculative, real-models, vllm-interop, ...)"),
+    "report": ("report_cmd", "re-render a report's page under reports/ from its JSON alone (measures nothing)"),
     "draft": ("draft_cmd", "a speculative-decoding draft distilled from the target's own text (corpus, train)"),
     "eval": ("eval_cmd", "quality under a KV setting: perplexity and passkey retrieval through the cache"),
     "calibrate-kv": ("calibrate_kv_cmd", "fit KVQuant's per-layer KV codebooks on calibration text (kvquant3/4)"),
@@ -68,6 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     selected = next((arg for arg in argv if not arg.startswith("-")), None)
     parser = build_parser(selected if selected in COMMANDS else None)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as typed after `kvlab`: benchmarks record the command that made their figures
     if not args.command:
         parser.print_help()
         return 0

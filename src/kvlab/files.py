@@ -1,5 +1,7 @@
 """kvlab's one atomic writer: results, reports, checkpoints and caches are never left half written.
 
+`write_atomic` writes a file, `write_directory` a folder (a checkpoint, a draft, an export).
+
 Every file kvlab writes that a later run reads (a study's stage results, an evaluation's cells,
 a benchmark's JSON, a report's README, a training checkpoint, a KVQuant calibration) goes to a
 temporary file beside its target and is renamed over it, so a kill mid-write leaves the old file
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Optional, Union
@@ -38,6 +41,39 @@ def write_atomic(path: Union[str, Path], content: Content) -> Path:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_directory(path: Union[str, Path], fill: Callable[[Path], None]) -> Path:
+    """`fill(staging)` writes a folder beside `path`, which then replaces `path` by renames.
+
+    A kill mid-way leaves the old folder (or none), never a half-written one; an old folder is moved
+    aside before the new one takes its name and removed last, and put back if that rename fails. The
+    staging folder gets the umask's permissions (mkdtemp's 0700 would hide a model from a server run
+    as another user) and is removed if `fill` fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)
+        fill(staging)
+        if not path.exists():
+            os.replace(staging, path)
+            return path
+        aside = Path(f"{staging}.old")
+        os.replace(path, aside)
+        try:
+            os.replace(staging, path)
+        except BaseException:
+            os.replace(aside, path)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     return path
 

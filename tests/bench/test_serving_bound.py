@@ -8,7 +8,7 @@ import pytest
 from needs import require_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
+from test_c_model import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
 
 COSTS = {"requests": 16, "input_len": 128, "output_len": 24,
          "prefill_ms_per_token": {"1": 1.5, "16": 1.25}, "decode_step_ms": {"1": 8.0, "4": 12.0, "5": 14.0, "16": 32.0}}
@@ -68,8 +68,10 @@ def test_a_model_without_the_c_step_has_no_costs():
 
 
 def test_bad_sizes_are_one_line_errors(capsys):
-    from kvlab.bench.serving_bound import main
+    from kvlab.cli import main
 
+    assert main(["bench", "serving-bound", "--output-len", "1"]) == 2
+    assert "--output-len is too small: 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        main(["--output-len", "1"])
-    assert exit_.value.code == 2 and "--output-len is too small: 1" in capsys.readouterr().err
+        main(["bench", "serving-bound", "--requests", "0"])
+    assert exit_.value.code == 2 and "expected a positive integer" in capsys.readouterr().err

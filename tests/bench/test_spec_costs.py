@@ -8,7 +8,7 @@ import pytest
 from needs import require_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
+from test_c_model import GQA, ggml_model  # noqa: E402  (a random model of GGML blocks: the C step runs it)
 
 
 def test_costs_are_ratios_of_the_engines_own_steps():

@@ -3,7 +3,7 @@
     flock /tmp/kvlab-heavy.lock python3 -m pytest -p no:cacheprovider -m slow tests/bench/test_vllm_conversions.py
 
 The slow test starts vLLM once (2.5-6 minutes here) on kvlab's HF export of SmolLM2 only; the
-conversions are measured by `python -m kvlab.bench.vllm_conversions` (reports/real-models/conversions.md).
+conversions are measured by `kvlab bench vllm-conversions` (reports/real-models/conversions.md).
 It skips when the vLLM venv is absent, under CI as well: CI has no vLLM venv (it is built by
 scripts/setup_vllm_venv.sh, minutes and gigabytes), so that absence is expected there, not a broken
 build. The fast test checks the recorded report against today's planner and renderer.
@@ -23,10 +23,10 @@ RECORD = Path(__file__).resolve().parents[2] / "reports" / "real-models" / "conv
 
 
 def test_recorded_report_agrees_with_todays_planner_and_renderer():
-    from kvlab.bench.vllm_conversions import render
+    from kvlab.report.vllm_conversions import render
 
     if not RECORD.is_file():
-        pytest.fail(f"{RECORD} is missing: run python -m kvlab.bench.vllm_conversions --json {RECORD}")
+        pytest.fail(f"{RECORD} is missing: run kvlab bench vllm-conversions --json {RECORD}")
     result = json.loads(RECORD.read_text())
     assert RECORD.with_suffix(".md").read_text() == render(result)
     for row in result["variants"]:

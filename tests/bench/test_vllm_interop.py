@@ -2,7 +2,7 @@
 
     flock /tmp/kvlab-heavy.lock python3 -m pytest -p no:cacheprovider -m slow tests/bench/test_vllm_interop.py
 
-Run by hand with figures: `python -m kvlab.bench.vllm_interop --json PATH` (kvlab.bench.vllm_interop
+Run by hand with figures: `kvlab bench vllm-interop --json PATH` (kvlab.bench.vllm_interop
 says what it checks). Build the venv first: scripts/setup_vllm_venv.sh.
 """
 

@@ -50,8 +50,8 @@ def test_the_report_calibrates_on_a_text_that_shares_nothing_with_its_evaluation
     from kvlab.checkpoints.calibration import default_text
     from kvlab.checkpoints.resolve import load_checkpoint
     from kvlab.evals.calibrate import text_ids
-    from kvlab.report.real_models import shared_file
-    from kvlab.report.real_models_study import CONTEXT, EVAL_TEXT, OFFSET, WINDOWS
+    from kvlab.bench.real_models import shared_file
+    from kvlab.bench.real_models_study import CONTEXT, EVAL_TEXT, OFFSET, WINDOWS
 
     tokenizer = load_checkpoint("smollm2-135m").tokenizer
     calibration = load_calibration(tokenizer, default_text())

@@ -134,8 +134,8 @@ def test_block_packing_keeps_every_matrix_and_fuses_mixed_stacks(twin_files):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-3 * expected.abs().max().item())
     stats = {}
     fused = generate(packed, [1, 5, 9, 2], 12, stats=stats)
-    assert stats["fused_decode"]
-    assert torch.equal(fused, generate(packed, [1, 5, 9, 2], 12, fused=False))
+    assert stats["paged_step"]
+    assert torch.equal(fused, generate(packed, [1, 5, 9, 2], 12, paged_step=False))
 
 
 @pytest.mark.parametrize("kind", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0, T.Q6_K])

@@ -202,7 +202,7 @@ def test_kvlab_serve_runs_a_written_deepseek_directory_token_for_token(tmp_path)
     prompts = [[1, 5, 7, 9, 11, 3], [4, 4, 2], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
     with torch.inference_mode():
         want = [generate(served.eval(), torch.tensor([p]), 12)[0].tolist() for p in prompts]
-    engine = LLMEngine(served, None, EngineConfig(kv_cache_memory=1_000_000, block_size=4, fused=False))
+    engine = LLMEngine(served, None, EngineConfig(kv_cache_memory=1_000_000, block_size=4, paged_step=False))
     assert engine.pool.is_latent and engine.pool.kv_heads == 1 and engine.pool.k_head_dim == 20 + 8
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]

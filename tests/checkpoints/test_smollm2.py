@@ -96,9 +96,9 @@ def test_gguf_blocks_track_the_dense_model(smollm2, smollm2_gguf):
     assert (dense - packed).abs().max().item() < 0.1  # logits span about +-30; measured 0.018
     stats = {}
     packed_ids = generate(smollm2_gguf, ids, 32, stats=stats)[0].tolist()
-    assert stats["fused_decode"]  # one C call per decode step
+    assert stats["paged_step"]  # one C call per decode step
     assert packed_ids == generate(smollm2.model, ids, 32)[0].tolist()
-    assert packed_ids == generate(smollm2_gguf, ids, 32, fused=False)[0].tolist()
+    assert packed_ids == generate(smollm2_gguf, ids, 32, paged_step=False)[0].tolist()
 
 
 def test_int8_activations_keep_the_dense_models_choices(smollm2, smollm2_path):

@@ -21,7 +21,7 @@ def reference(model, tokenizer, prompt: str, max_tokens: int, kv_cache_dtype: st
 def make_engine(model, tokenizer, **config) -> LLMEngine:
     config.setdefault("kv_cache_memory", 400_000)
     config.setdefault("block_size", 16)  # small blocks: short test prompts still cross block boundaries
-    config.setdefault("fused", False)
+    config.setdefault("paged_step", False)
     return LLMEngine(model, tokenizer, EngineConfig(**config))
 
 

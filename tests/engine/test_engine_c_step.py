@@ -1,6 +1,6 @@
 """The engine's C paged step (kvlab.nn.paged_decode) decodes what the module path decodes, token for
 token, for every KV format it serves: the same engine run twice over the same requests, once with
-`fused=True` (decode steps in C) and once module by module, with requests joining mid-flight,
+`paged_step=True` (decode steps in C) and once module by module, with requests joining mid-flight,
 preemption (a pool too small for all of them) and prefix caching on or off. Prompts run module by
 module in both, so the C step also reads blocks the module path wrote, and the module path those
 it wrote after a preemption recomputes them.
@@ -20,7 +20,7 @@ from kvlab.nn.config import ModelConfig
 from kvlab.plan.kv_formats import C_STEP_KV_CACHE_DTYPES, resolve_kv_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402
+from test_c_model import GQA, ggml_model  # noqa: E402
 from test_sliding_layers import tiny_model  # noqa: E402
 
 FORMATS = ["fp16", "fp8", "int8", "int4", "int2"]
@@ -63,9 +63,9 @@ def serve_twice(model, work, **config) -> tuple[dict, dict, object]:
     """`work` [(prompt ids, max_tokens)] through a module-path engine and a C-step engine, request i
     joining after 3 i steps; each engine's outputs by request index, and the C-step engine."""
     outputs = []
-    for fused in (False, True):
-        engine = make_engine(model, None, fused=fused, **config)
-        assert engine.decode_path == ("fused C step" if fused else "module by module")
+    for paged_step in (False, True):
+        engine = make_engine(model, None, paged_step=paged_step, **config)
+        assert engine.decode_path == ("fused C step" if paged_step else "module by module")
         ids, got = [], {}
         for i, (prompt, n) in enumerate(work):
             ids.append(engine.add_request(prompt, greedy(n, ignore_eos=True)).request_id)

@@ -41,7 +41,7 @@ def reference(model, ids: list[int], n: int, kv_cache_dtype: str = "auto") -> li
 
 
 def engine(model, **config) -> LLMEngine:
-    config = {"kv_cache_memory": 2_000_000, "block_size": BLOCK, "fused": False, "max_num_batched_tokens": 8, **config}
+    config = {"kv_cache_memory": 2_000_000, "block_size": BLOCK, "paged_step": False, "max_num_batched_tokens": 8, **config}
     return LLMEngine(model, None, EngineConfig(**config))
 
 
@@ -181,8 +181,8 @@ def test_sliding_window_model_in_c_equals_the_module_path():
     if kernels() is None:
         pytest.skip("no C kernels on this machine")
     model = pack_q8_0(tiny_model(max_seq_len=128, dim=64, head_dim=32, ffn_dim=96, embed_scale=8.0))
-    module = engine(model, fused=False)
-    fused = engine(model, fused=True)
+    module = engine(model, paged_step=False)
+    fused = engine(model, paged_step=True)
     assert fused.decode_path == "fused C step" and module.decode_path == "module by module"
     want, _ = serve(module, PROMPTS, 40)
     got, _ = serve(fused, PROMPTS, 40)

@@ -18,7 +18,7 @@ from kvlab.nn.model import Decoder
 from engine_helpers import assert_pool_free, run_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402
+from test_c_model import GQA, ggml_model  # noqa: E402
 
 from needs import require_kernels
 
@@ -40,9 +40,9 @@ def head(tmp_path_factory):
     return head_dir(tmp_path_factory)
 
 
-def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, fused=True, temperature=0.0):
+def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, paged_step=True, temperature=0.0):
     engine = LLMEngine(model, None, EngineConfig(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8,
-                                                 speculative_config=spec, fused=fused, max_num_batched_tokens=16))
+                                                 speculative_config=spec, paged_step=paged_step, max_num_batched_tokens=16))
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i),
                            request_id=f"r{i}")
@@ -51,16 +51,16 @@ def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, fused=True, temper
     return engine, got
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["c-step", "modules"])
+@pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_speculation_with_a_head_is_the_output_without(head, fused, batch):
-    if fused:
+def test_greedy_speculation_with_a_head_is_the_output_without(head, paged_step, batch):
+    if paged_step:
         require_kernels()
-    model = ggml_model(TARGET) if fused else Decoder(TARGET).eval()
+    model = ggml_model(TARGET) if paged_step else Decoder(TARGET).eval()
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
-    _, want = outputs(model, None, PROMPTS[:batch], fused=fused)
-    engine, got = outputs(model, spec, PROMPTS[:batch], fused=fused)
-    assert engine.decode_path == ("fused C step" if fused else "module by module")
+    _, want = outputs(model, None, PROMPTS[:batch], paged_step=paged_step)
+    engine, got = outputs(model, spec, PROMPTS[:batch], paged_step=paged_step)
+    assert engine.decode_path == ("fused C step" if paged_step else "module by module")
     assert got == want
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
@@ -98,17 +98,17 @@ def oracle_head(target: Decoder, directory: str) -> str:
     return directory
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["c-step", "modules"])
-def test_a_head_that_is_right_has_its_drafts_accepted(tmp_path, fused):
+@pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])
+def test_a_head_that_is_right_has_its_drafts_accepted(tmp_path, paged_step):
     """Acceptance, rollback of the bonus and the window's bookkeeping over long accepted runs."""
-    if fused:
+    if paged_step:
         require_kernels()
     from kvlab.nn.pack import pack_q8_0
     dense = context_free_target()
-    model = pack_q8_0(dense) if fused else dense
+    model = pack_q8_0(dense) if paged_step else dense
     spec = {"method": "eagle", "model": oracle_head(dense, str(tmp_path / "oracle")), "num_speculative_tokens": 3}
-    _, want = outputs(model, None, fused=fused, max_tokens=30)
-    engine, got = outputs(model, spec, fused=fused, max_tokens=30)
+    _, want = outputs(model, None, paged_step=paged_step, max_tokens=30)
+    engine, got = outputs(model, spec, paged_step=paged_step, max_tokens=30)
     assert got == want
     stats = engine.spec_stats
     assert stats.acceptance_rate >= 0.9, stats
@@ -118,7 +118,7 @@ def test_a_head_that_is_right_has_its_drafts_accepted(tmp_path, fused):
 def test_sampled_speculation_with_a_head_is_seed_reproducible(head):
     model = Decoder(TARGET).eval()
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2}
-    runs = [outputs(model, spec, PROMPTS[:2], fused=False, temperature=0.9)[1] for _ in range(2)]
+    runs = [outputs(model, spec, PROMPTS[:2], paged_step=False, temperature=0.9)[1] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(ids) == 20 for ids in runs[0].values())
 
 
@@ -146,13 +146,13 @@ def test_recorded_features_keep_the_window_and_roll_back():
 def test_disable_by_batch_size_drafts_only_in_smaller_batches(head):
     model = Decoder(TARGET).eval()
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 2, "disable_by_batch_size": 2}
-    _, want = outputs(model, None, PROMPTS, fused=False)
-    engine, got = outputs(model, spec, PROMPTS, fused=False)
+    _, want = outputs(model, None, PROMPTS, paged_step=False)
+    engine, got = outputs(model, spec, PROMPTS, paged_step=False)
     assert got == want
-    alone, _ = outputs(model, spec, PROMPTS[:1], fused=False)
+    alone, _ = outputs(model, spec, PROMPTS[:1], paged_step=False)
     together = engine.spec_stats.num_drafts
     assert alone.spec_stats.num_drafts > 0
     # four requests of 20 tokens: drafts only once the batch has shrunk below two sequences
     assert together <= alone.spec_stats.num_drafts + 20
-    busy, _ = outputs(model, {**spec, "disable_by_batch_size": 1}, PROMPTS[:1], fused=False)
+    busy, _ = outputs(model, {**spec, "disable_by_batch_size": 1}, PROMPTS[:1], paged_step=False)
     assert busy.spec_stats.num_drafts == 0

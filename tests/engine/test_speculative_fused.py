@@ -15,7 +15,7 @@ from kvlab.nn.model import Decoder
 from engine_helpers import assert_pool_free, run_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402
+from test_c_model import GQA, ggml_model  # noqa: E402
 
 from needs import require_kernels
 

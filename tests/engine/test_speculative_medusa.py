@@ -19,7 +19,7 @@ from kvlab.nn.model import Decoder
 from engine_helpers import assert_pool_free, run_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_fused_decode import GQA, ggml_model  # noqa: E402
+from test_c_model import GQA, ggml_model  # noqa: E402
 
 from needs import require_kernels
 
@@ -45,8 +45,8 @@ def head(tmp_path_factory):
     return medusa_dir(tmp_path_factory.mktemp("head") / "medusa")
 
 
-def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, fused=True, temperature=0.0, **config):
-    settings = dict(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8, speculative_config=spec, fused=fused,
+def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, paged_step=True, temperature=0.0, **config):
+    settings = dict(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8, speculative_config=spec, paged_step=paged_step,
                     max_num_batched_tokens=16)
     engine = LLMEngine(model, None, EngineConfig(**{**settings, **config}))
     for i, prompt in enumerate(prompts):
@@ -57,16 +57,16 @@ def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, fused=True, temper
     return engine, got
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["c-step", "modules"])
+@pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_speculation_with_medusa_heads_is_the_output_without(head, fused, batch):
-    if fused:
+def test_greedy_speculation_with_medusa_heads_is_the_output_without(head, paged_step, batch):
+    if paged_step:
         require_kernels()
-    model = ggml_model(TARGET) if fused else Decoder(TARGET).eval()
+    model = ggml_model(TARGET) if paged_step else Decoder(TARGET).eval()
     spec = {"method": "medusa", "model": head, "num_speculative_tokens": 3}
-    _, want = outputs(model, None, PROMPTS[:batch], fused=fused)
-    engine, got = outputs(model, spec, PROMPTS[:batch], fused=fused)
-    assert engine.decode_path == ("fused C step" if fused else "module by module")
+    _, want = outputs(model, None, PROMPTS[:batch], paged_step=paged_step)
+    engine, got = outputs(model, spec, PROMPTS[:batch], paged_step=paged_step)
+    assert engine.decode_path == ("fused C step" if paged_step else "module by module")
     assert got == want
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts  # several drafts a round
@@ -77,7 +77,7 @@ def test_greedy_speculation_with_medusa_heads_is_the_output_without(head, fused,
 def test_sampled_speculation_with_medusa_heads_is_seed_reproducible(head):
     model = Decoder(TARGET).eval()
     spec = {"method": "medusa", "model": head, "num_speculative_tokens": 2}
-    runs = [outputs(model, spec, PROMPTS[:2], fused=False, temperature=0.9)[1] for _ in range(2)]
+    runs = [outputs(model, spec, PROMPTS[:2], paged_step=False, temperature=0.9)[1] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(ids) == 20 for ids in runs[0].values())
 
 
@@ -131,7 +131,7 @@ def test_sampled_tokens_through_a_head_follow_the_targets_distribution(tmp_path,
     directory = (medusa_dir(tmp_path / "h", SMALL, heads=2) if method == "medusa" else eagle_dir(tmp_path / "h", SMALL))
     prompt = [1, 2]
     engine = LLMEngine(model, None, EngineConfig(kv_cache_memory=400_000, block_size=4, max_num_seqs=256,
-                                                 max_num_batched_tokens=1024, fused=True,
+                                                 max_num_batched_tokens=1024, paged_step=True,
                                                  speculative_config={"method": method, "model": directory,
                                                                      "num_speculative_tokens": 2}))
     for i in range(TRIALS):

@@ -71,7 +71,7 @@ def test_the_lab_rows_generate_what_a_reference_cache_does():
     rows = PooledRows.for_model(CONFIG, 2, 16, block_size=4)  # several blocks per row
     pooled = generate(decoder, prompts, 12, cache=rows, stats=stats)
     assert torch.equal(pooled, generate(decoder, prompts, 12, cache=decoder.reference_cache(2, 16)))
-    assert stats["fused_decode"] is False
+    assert stats["paged_step"] is False
 
 
 def test_rows_too_long_for_their_capacity_are_refused():
@@ -86,7 +86,7 @@ def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
     from kvlab.nn.generate import cache_for_generation
 
     from needs import require_kernels
-    from test_fused_decode import GQA, ggml_model
+    from test_c_model import GQA, ggml_model
 
     require_kernels()
     decoder = ggml_model(GQA)
@@ -97,7 +97,7 @@ def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
         assert isinstance(cache, PooledRows)
         stats: dict = {}
         out = generate(decoder, prompt, 12, cache=cache, stats=stats)
-        assert stats["fused_decode"] is in_c, dtype
+        assert stats["paged_step"] is in_c, dtype
         unfused = generate(decoder, prompt, 12, cache=cache_for_generation(decoder, 1, len(prompt) + 11, dtype),
-                           fused=False)
+                           paged_step=False)
         assert torch.equal(out, unfused), dtype

@@ -19,7 +19,7 @@ from kvlab.nn.kernels import using_kernel_isa
 from kvlab.nn.model import Decoder
 from kvlab.nn.paged_decode import PagedDecodeStep, paged_step_for, why_not_paged
 from kvlab.plan.kv_formats import C_STEP_KV_CACHE_DTYPES, POOL_KV_CACHE_DTYPES
-from test_fused_decode import GQA, TOLERANCE, assert_close_to_scale, ggml_model
+from test_c_model import GQA, TOLERANCE, assert_close_to_scale, ggml_model
 from test_ggml import isas_here
 
 from needs import require_kernels

@@ -7,7 +7,7 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.nn.paged_decode import PagedDecodeStep
-from test_fused_decode import GQA, assert_close_to_scale, ggml_model
+from test_c_model import GQA, assert_close_to_scale, ggml_model
 
 from needs import require_kernels
 

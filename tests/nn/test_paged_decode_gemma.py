@@ -14,7 +14,7 @@ from kvlab.nn.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvlab.nn.model import Decoder
 from kvlab.nn.pack import pack_q8_0
 from kvlab.nn.paged_decode import PagedDecodeStep, why_not_paged
-from test_fused_decode import assert_close_to_scale
+from test_c_model import assert_close_to_scale
 
 from needs import require_kernels
 

@@ -1,8 +1,9 @@
 """The real-models report's Gemma 3 rows: passkey hits by depth and by length from the cells, seats from the plan."""
 
+from kvlab.bench.real_models_study import CARDS, serving, summarise
 from kvlab.evals.setting import KVSetting
 from kvlab.report import real_models_gemma as gemma
-from kvlab.report.real_models_study import CARDS, serving, summarise
+from kvlab.report.markdown import row_line
 
 
 def _cell(label, length, depth, seed, correct):
@@ -24,7 +25,7 @@ def test_rows_count_each_length_and_depth_and_bound_the_window():
     assert row["passkey_by_depth"] == {"0.1": [2, 4], "0.5": [1, 2], "0.9": [0, 0]}
     # at 8k tokens the 3 global layers hold every token, the 15 sliding ones their 512 (1 KV head x 256 x K and V)
     assert row["serving"]["kv_bytes_per_sequence_8k"] == (3 * 8192 + 15 * 512) * 2 * 256 * 2
-    line = gemma.table_line(row, row)
+    line = row_line(gemma.table_cells(row, row))
     assert line == "| fp16 | 31.5 | 30.000 | +0.00% | +0.00% / +0.00% | 2/4 | 1/2 | – | 0/2 | – | 3/4 | " + " | ".join(
         str(row["serving"][name]) for name in CARDS) + " |"
     bounded = serving(window, gemma.STUDY)

@@ -2,8 +2,13 @@
 
 import json
 
-from kvlab.report import real_models_throughput as throughput
-from kvlab.report.real_models import CARDS, DEPTHS, table_line
+from kvlab.bench import real_models_throughput as throughput
+from kvlab.report.markdown import row_line
+from kvlab.report.real_models import CARDS, DEPTHS, table_cells
+
+
+def table_line(row, base, measured):
+    return row_line(table_cells(row, base, measured))
 
 
 def _row(label, ppl, line, windows=None):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from kvlab.bench.compare import ratios
-from kvlab.report.serving_report import main, render
+from kvlab.cli import main
+from kvlab.report.serving_report import render
 
 PROV = {"git_commit": "abcdef1234", "git_dirty_files": [], "time_utc": "2026-12-01T12:00:00Z",
         "machine": {"cpu": "CPU", "cores": 2, "torch_threads": 2}}
@@ -44,7 +45,7 @@ def test_the_page_states_same_run_ratios_and_the_target(tmp_path):
     assert "llama.cpp-serial at prompt" not in page  # only cells with failures are listed
     assert "Not measured yet: `PIECES=peers1024 scripts/serving_report.sh`" in page
     assert "commit abcdef1" in page
-    assert main([str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == page
+    assert main(["report", "serving", str(tmp_path)]) == 0 and (tmp_path / "README.md").read_text() == page
 
 
 def test_latencies_of_a_server_that_cut_answers_off_are_not_held_against_kvlab(tmp_path):

@@ -11,7 +11,7 @@ median of `--repeats` runs after one warm-up, the engines taking turns so that l
 other processes on a shared machine falls on all of them alike. kvlab computes on the file's
 Q4_1/Q8_0 blocks (`--kvlab-weights gguf`, the default), on PyTorch's int4 kernel (`int4`) or
 on dequantised fp32 matrices (`dense`), and runs twice: with its decode steps fused into one C
-call each where the model allows (kvlab.nn.fused_decode), and module by module. transformers
+call each where the model allows (kvlab.nn.c_model), and module by module. transformers
 runs in fp32 (what it loads by default) and bf16; the ratio is the first kvlab run's against
 the faster of the two.
 """
@@ -39,13 +39,13 @@ PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening, co
 class KvlabEngine:
     """kvlab's `generate`, keeping each call's prefill / decode split (the timed runs' are reported)."""
 
-    def __init__(self, loaded, prompt: list[int], new_tokens: int, fused: bool):
-        self.loaded, self.prompt, self.new_tokens, self.fused = loaded, prompt, new_tokens, fused
+    def __init__(self, loaded, prompt: list[int], new_tokens: int, paged_step: bool):
+        self.loaded, self.prompt, self.new_tokens, self.paged_step = loaded, prompt, new_tokens, paged_step
         self.splits: list[dict] = []
 
     def __call__(self) -> list[int]:
         stats: dict = {}
-        ids = generate(self.loaded.model, self.prompt, self.new_tokens, fused=self.fused, stats=stats)
+        ids = generate(self.loaded.model, self.prompt, self.new_tokens, paged_step=self.paged_step, stats=stats)
         self.splits.append(stats)
         return ids[0].tolist()
 
@@ -97,10 +97,10 @@ def run_race(model: str = "smollm2-135m", new_tokens: int = 128, repeats: int = 
     stats: dict = {}
     generate(loaded.model, prompt, 2, stats=stats)
     weights = f"{args.kvlab_weights} weights"
-    engines = {f"kvlab ({weights}, {'fused decode step' if stats['fused_decode'] else 'module path'})":
-               KvlabEngine(loaded, prompt, args.new_tokens, fused=True)}
-    if stats["fused_decode"]:
-        engines[f"kvlab ({weights}, module path)"] = KvlabEngine(loaded, prompt, args.new_tokens, fused=False)
+    engines = {f"kvlab ({weights}, {'fused decode step' if stats['paged_step'] else 'module path'})":
+               KvlabEngine(loaded, prompt, args.new_tokens, paged_step=True)}
+    if stats["paged_step"]:
+        engines[f"kvlab ({weights}, module path)"] = KvlabEngine(loaded, prompt, args.new_tokens, paged_step=False)
     if not args.skip_transformers:
         for dtype in (torch.float32, torch.bfloat16):
             name = f"transformers generate ({str(dtype).removeprefix('torch.')})"

@@ -59,7 +59,7 @@ def kvlab_runner(model, kv_cache_dtype: str = "auto") -> Callable[[list[list[int
         with torch.inference_mode():
             generate(model, tokens, new_tokens, cache=cache, stats=stats)
         out = _timing(stats["prefill_s"], stats["decode_s"], len(prompts), tokens.shape[1], new_tokens)
-        out["decode_path"] = "fused C step" if stats.get("fused_decode") else "module by module"
+        out["decode_path"] = "fused C step" if stats.get("paged_step") else "module by module"
         return out
 
     return run

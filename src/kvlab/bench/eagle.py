@@ -1,7 +1,7 @@
 """An EAGLE head on SmolLM2-135M: acceptance per draft position and the batch-1 greedy chat speed-up.
 
-    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.eagle --out reports/speculative/eagle
-    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.eagle --method eagle medusa --batch 1 4 \
+    flock /tmp/kvlab-heavy.lock kvlab bench eagle --out reports/speculative/eagle
+    flock /tmp/kvlab-heavy.lock kvlab bench eagle --method eagle medusa --batch 1 4 \
         --temperature 0 0.7 1.0 --out reports/speculative/heads   # both head kinds, batch 4, sampling
 
 With --method medusa too (a head set from `kvlab draft train --method medusa`, --medusa-head), --batch
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvlab.errors import KvlabError
+
 
 def default_head_dir() -> str:
     from kvlab.train.data import cache_dir
@@ -39,7 +41,7 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
     """Milliseconds for one draft round: the head over a full window and one token's embedding."""
     from kvlab.bench.spec_costs import timed
     from kvlab.engine import EngineConfig, LLMEngine
-    from kvlab.nn.fused_decode import embed_rows
+    from kvlab.nn.c_model import embed_rows
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1,
                                                       speculative_config={"method": "eagle", "model": head_path}))
     eagle = engine.runner.head_proposer
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
                         "length_needed_for_1_5x": 1.5 * step_cost if step_cost else None,
                         "greedy_identical": all(r["outputs"] == plain_runs[0]["outputs"] for r in rs),
                         "runs_tok_s": [r["tok_s"] for r in rs]})
-    return {"benchmark": "eagle", "command": "python3 -m kvlab.bench.eagle " + " ".join(args.argv),
+    return {"benchmark": "eagle", "command": "kvlab " + " ".join(args.argv),
             "model": args.model, "head": args.head,
             "head_config": {k: v for k, v in head_meta.items() if k != "kvlab_train"},
             "head_training": {k: head_meta.get("kvlab_train", {}).get(k) for k in
@@ -211,7 +213,7 @@ def run_grid(args: argparse.Namespace) -> dict:
         heads[m] = {"path": head_path(args, m), "config": {k: v for k, v in meta.items() if k != "kvlab_train"},
                     "training": {k: train.get(k) for k in ("command", "status", "step", "positions", "train_seconds",
                                                            "draft_vocab_coverage", "validation", "params")}}
-    return {"benchmark": "draft heads", "command": "python3 -m kvlab.bench.eagle " + " ".join(args.argv),
+    return {"benchmark": "draft heads", "command": "kvlab " + " ".join(args.argv),
             "model": args.model, "heads": heads, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "rounds": args.rounds, "baseline_tok_s": {f"batch {b}, temperature {t:g}": v for (b, t), v in rate.items()},
             "baseline_runs_tok_s": {f"batch {b}, temperature {t:g}": [r["tok_s"] for r in rs]
@@ -219,123 +221,12 @@ def run_grid(args: argparse.Namespace) -> dict:
             "step_costs": costs, "head_pass_ms": head_ms, "results": results, "provenance": provenance()}
 
 
-def report_grid(result: dict) -> str:
-    p = result["provenance"]
-    machine = p.get("machine", {})
-    cpu = f"{machine.get('cpu', 'this machine')} ({machine.get('torch_threads', '?')} threads)"
-    costs = result["step_costs"]
-    lines = ["# EAGLE and Medusa heads on SmolLM2-135M: batch, temperature, k", "",
-             "Regenerate with:", "", "```bash", f"flock /tmp/kvlab-heavy.lock {result['command']}", "```", "",
-             f"Measured at commit `{p.get('git_commit', '?')}` on {cpu}. {result['prompts']} held-out ShareGPT first "
-             f"turns, {result['max_tokens']} new tokens each (EOS ignored), {result['rounds']} interleaved rounds; "
-             "each speed-up is against the plain runs of the same batch and temperature in the same process "
-             "(tok/s: " + "; ".join(f"{c} {v:.1f}" for c, v in result["baseline_tok_s"].items()) + ").", ""]
-    for m, h in result["heads"].items():
-        val = ((h["training"].get("validation") or {}).get("chat") or {})
-        agree = ", ".join(f"{val[f'agree{j}']:.3f}" for j in range(1, 4) if f"agree{j}" in val)
-        lines.append(f"- {m}: {h['path']}, {(h['training'].get('params') or 0) / 1e6:.1f}M parameters, trained "
-                     f"{h['training'].get('step')} steps on {h['training'].get('positions') or 0:,} positions in "
-                     f"{h['training'].get('train_seconds')} s; held-out greedy agreement per draft position {agree}.")
-    lines += ["", f"Costs in plain batch-1 steps (plain step {costs.get('plain_step_ms', 0):.2f} ms): verification "
-              "of n tokens " + ", ".join(f"n={n}: {v:.2f}" for n, v in costs.get("verify_cost", {}).items())
-              + "; head pass " + "; ".join(f"{m} k={k}: {ms:.2f} ms" for m, by_k in result["head_pass_ms"].items()
-                                           for k, ms in by_k.items()) + ".", "",
-              "| method | batch | temperature | k | tok/s | speed-up | acceptance per position | mean acceptance "
-              "length | step cost (batch 1) | predicted L/cost | acceptance needed for 1.5x | greedy identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(result["results"], key=lambda r: (r["method"], r["batch"], r["temperature"], r["k"])):
-        needed = r["acceptance_needed_for_1_5x"]
-        lines.append(f"| {r['method']} | {r['batch']} | {r['temperature']:g} | {r['k']} | {r['tok_s']:.1f} | "
-                     f"**{r['speedup']:.2f}x** | " + " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-                     + f" | {r['mean_acceptance_length']:.2f} | {r['step_cost'] or 0:.2f} | "
-                     f"{r['predicted_speedup'] or 0:.2f}x | {'unreachable' if needed is None else f'{needed:.2f}'} | "
-                     f"{'' if r['greedy_identical'] is None else r['greedy_identical']} |")
-    lines += ["", "Where speculation stops paying (best k per cell):", ""]
-    for m in result["heads"]:
-        for b in sorted({r["batch"] for r in result["results"]}):
-            row = []
-            for t in sorted({r["temperature"] for r in result["results"]}):
-                cell = [r for r in result["results"] if (r["method"], r["batch"], r["temperature"]) == (m, b, t)]
-                if cell:
-                    best = max(cell, key=lambda r: r["speedup"])
-                    row.append(f"temperature {t:g}: {best['speedup']:.2f}x (k={best['k']})")
-            lines.append(f"- {m}, batch {b}: " + "; ".join(row))
-    return "\n".join(lines) + "\n"
-
-
-def report(result: dict) -> str:
-    if "heads" in result:
-        return report_grid(result)
-    p = result["provenance"]
-    machine = p.get("machine", {})
-    cpu = f"{machine.get('cpu', 'this machine')} ({machine.get('torch_threads', '?')} threads)"
-    lines = ["# An EAGLE head on SmolLM2-135M", "",
-             "Regenerate with:", "", "```bash", f"flock /tmp/kvlab-heavy.lock {result['command']}", "```", "",
-             f"Measured at commit `{p.get('git_commit', '?')}` on {cpu}. Batch 1, greedy, {result['prompts']} held-out "
-             f"ShareGPT first turns, {result['max_tokens']} new tokens each (EOS ignored), {result['rounds']} "
-             "interleaved rounds; speed-up against the mean of every plain run in the same process "
-             f"({result['baseline_tok_s']:.1f} tok/s; runs " +
-             ", ".join(f"{v:.1f}" for v in result["baseline_runs_tok_s"]) + ").", ""]
-    training = result["head_training"]
-    val = (training.get("validation") or {}).get("chat", {})
-    hc = result["head_config"]
-    lines += [f"Head: {hc['n_heads']}x{hc['head_dim']} attention over a window of {hc['window']}, FFN {hc['ffn']}, "
-              f"draft vocabulary {hc['draft_vocab']:,} of {hc['target_vocab']:,} "
-              f"({(training.get('draft_vocab_coverage') or 0):.1%} of the target's training-set choices), "
-              f"{(training.get('params') or 0) / 1e6:.1f}M parameters; trained {training.get('step')} steps on "
-              f"{training.get('positions') or 0:,} positions in {training.get('train_seconds')} s "
-              f"({training.get('status')}); held-out greedy agreement {val.get('agree1', 0):.3f} at position 1, "
-              f"{val.get('agree2', 0):.3f} at position 2 (teacher-forced).", "",
-              f"Costs in plain steps (plain step {result['step_costs'].get('plain_step_ms', 0):.2f} ms): one head round "
-              f"{result['head_round_ms']:.2f} ms = {result['head_round_cost'] or 0:.3f}; verification of n tokens " +
-              ", ".join(f"n={n}: {v:.2f}" for n, v in result["step_costs"].get("verify_cost", {}).items()) + ".", "",
-              "| k | tok/s | speed-up | acceptance per position | mean acceptance length | step cost | "
-              "predicted L/cost | L needed for 1.5x | greedy identical |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["results"]:
-        lines.append(f"| {r['k']} | {r['tok_s']:.1f} | **{r['speedup']:.2f}x** | "
-                     + " / ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-                     + f" | {r['mean_acceptance_length']:.2f} | {r['step_cost'] or 0:.2f} | "
-                     f"{r['predicted_speedup'] or 0:.2f}x | {r['length_needed_for_1_5x'] or 0:.2f} | "
-                     f"{r['greedy_identical']} |")
-    best = max(result["results"], key=lambda r: r["speedup"])
-    lines += ["", f"Best: k = {best['k']}, **{best['speedup']:.2f}x** (target 1.5x"
-              + (": met)." if best["speedup"] >= 1.5 else f": not met; at this step cost it needs a mean acceptance "
-                 f"length of {best['length_needed_for_1_5x'] or 0:.2f}, measured {best['mean_acceptance_length']:.2f}).")]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvlab.bench.eagle", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--head", default=default_head_dir(), help="the head (kvlab draft train --method eagle)")
-    parser.add_argument("--method", nargs="+", choices=("eagle", "medusa"), default=["eagle"],
-                        help="head kinds to run (default eagle)")
-    parser.add_argument("--medusa-head", default=default_head_dir().replace("smollm2-eagle", "smollm2-medusa"),
-                        help="the Medusa head set (kvlab draft train --method medusa)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="concurrent requests (default 1)")
-    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                        help="sampling temperatures (default 0: greedy)")
-    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="num_speculative_tokens (default 1 2 3)")
-    parser.add_argument("--prompts", type=int, default=6, help="held-out chat prompts, one after another (default 6)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
-    parser.add_argument("--out", default="reports/speculative/eagle", help="folder for results.json and README.md")
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+def run_command(args: argparse.Namespace) -> dict:
+    """`kvlab bench eagle`: every head asked for checked, then `run`."""
+    args.head = args.head or default_head_dir()
+    args.medusa_head = args.medusa_head or default_head_dir().replace("smollm2-eagle", "smollm2-medusa")
     for method in args.method:
         if not (Path(head_path(args, method)) / "config.json").is_file():
-            print(f"kvlab: error: no {method} head in {head_path(args, method)} (train one: kvlab draft train "
-                  f"--method {method})", file=sys.stderr)
-            return 2
-    result = run(args)
-    from kvlab.files import write_atomic, write_json
-    out = Path(args.out)
-    write_json(out / "results.json", result)
-    write_atomic(out / "README.md", report(result))
-    print(report(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            raise KvlabError(f"no {method} head in {head_path(args, method)} (train one: kvlab draft train "
+                             f"--method {method})")
+    return run(args)

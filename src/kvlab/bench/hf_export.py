@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
+
+from kvlab.files import write_directory
 
 CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "hf"
 
@@ -35,12 +35,5 @@ def hf_dir_for(model: str, dtype: str = "bfloat16", root: Optional[Path] = None)
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     loaded = load_model(path, getattr(torch, dtype), "dense")
-    staging = tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent)
-    try:
-        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide it from a server run as another user
-        save_hf(loaded.model, staging, loaded.tokenizer)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    write_directory(target, lambda staging: save_hf(loaded.model, str(staging), loaded.tokenizer))
     return str(target)

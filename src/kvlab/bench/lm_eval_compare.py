@@ -1,6 +1,6 @@
 """lm-evaluation-harness against `kvlab serve` and vLLM's server on the same model and tasks.
 
-    flock /tmp/kvlab-heavy.lock python -m kvlab.bench.lm_eval_compare --json reports/serving/lm_eval.json
+    flock /tmp/kvlab-heavy.lock kvlab bench lm-eval --json reports/serving/lm_eval.json
 
 lm-eval (PyPI `lm-eval` 0.4.13) scores a served model through its `local-completions` model:
 multiple-choice tasks by log-likelihood (each choice sent with the context as one prompt,
@@ -21,7 +21,6 @@ over all items, and how many items' answers differ; `--quick` runs a few items.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from kvlab.evals.lm_eval_tasks import CLOZE_TASK, PASSKEY_TASK, write_tasks
+from kvlab.errors import KvlabError
 
 SERVERS = ("kvlab", "kvlab-dense", "vllm")
 SHARED = Path(__file__).resolve().parents[3].parent / "shared"
@@ -130,46 +130,12 @@ def run(model: str, servers: list[str], cloze: int, passkey: int, threads: int, 
     return out
 
 
-def table(result: dict) -> str:
-    """The markdown table the serving report shows."""
-    rows = ["| server | cloze acc | passkey exact match | seconds |", "|---|---:|---:|---:|"]
-    for name, r in result["servers"].items():
-        rows.append(f"| {name} | {r['cloze_acc']:.3f} | {r['passkey_exact_match']:.3f} | {r['seconds']:.0f} |")
-    rows += ["", "| pair | largest per-item log-likelihood difference (nats) | mean | cloze answers differing | "
-                 "passkey answers differing |", "|---|---:|---:|---:|---:|"]
-    for pair, c in result["pairs"].items():
-        rows.append(f"| {pair} | {c['max_abs_loglikelihood_diff']:.2e} | {c['mean_abs_loglikelihood_diff']:.2e} | "
-                    f"{c['cloze_choices_differing']} | {c['passkey_answers_differing']} |")
-    return "\n".join(rows)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.lm_eval_compare", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, from {', '.join(SERVERS)}")
-    parser.add_argument("--cloze", type=int, default=100, help="cloze items (default 100)")
-    parser.add_argument("--passkey", type=int, default=20, help="passkey items (default 20)")
-    parser.add_argument("--quick", action="store_true", help="8 cloze and 4 passkey items")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8, help="lm-eval's prompts per request (default 8)")
-    parser.add_argument("--tasks-dir", help="where the task YAML and JSON go (default: a temporary directory)")
-    parser.add_argument("--vllm-python", help="the vLLM venv's python (default /work/venv-vllm/bin/python)")
-    parser.add_argument("--json", help="write the result (with provenance) here")
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> dict:
+    """`kvlab bench lm-eval`: every chosen server in turn; the result (the command prints and writes it)."""
     cloze, passkey = (8, 4) if args.quick else (args.cloze, args.passkey)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     unknown = [s for s in servers if s not in SERVERS]
     if unknown:
-        parser.error(f"unknown server {unknown[0]!r}: choose from {', '.join(SERVERS)}")
+        raise KvlabError(f"--servers: unknown server {unknown[0]!r}: choose from {', '.join(SERVERS)}")
     tasks_dir = Path(args.tasks_dir) if args.tasks_dir else Path(tempfile.mkdtemp(prefix="kvlab-lm-eval-"))
-    result = run(args.model, servers, cloze, passkey, args.threads, tasks_dir, args.vllm_python, args.batch_size)
-    print(table(result))
-    if args.json:
-        from kvlab.files import write_json
-        write_json(Path(args.json), result)
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return run(args.model, servers, cloze, passkey, args.threads, tasks_dir, args.vllm_python, args.batch_size)

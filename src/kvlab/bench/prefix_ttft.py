@@ -1,6 +1,6 @@
 """Time to first token with and without the prefix cache, for a shared system prompt (the seeds' robot).
 
-    python -m kvlab.bench.prefix_ttft [--model smollm2-135m] [--prefix-tokens 512] [--requests 6] [--json PATH]
+    kvlab bench prefix-ttft [--model smollm2-135m] [--prefix-tokens 512] [--requests 6] [--json PATH]
 
 One long instruction prefix is sent with every request, each with its own short suffix. With
 prefix caching on, the first request computes the prefix and the later ones find its full
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 import torch
 
@@ -34,15 +33,8 @@ def ttft_once(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     return seq.first_token_time - seq.arrival, seq.num_cached_prompt
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.prefix_ttft", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prefix-tokens", type=int, default=512)
-    parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=6)
-    parser.add_argument("--threads", type=int)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench prefix-ttft`: one shared prefix, with and without prefix caching; prints and writes --json."""
     model, tokenizer = load_for_engine(args.model, threads=args.threads)
     vocab = model.config.vocab_size
     prefix = random_prompts(1, args.prefix_tokens, vocab, 1)[0]
@@ -71,7 +63,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

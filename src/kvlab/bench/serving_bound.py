@@ -1,6 +1,6 @@
 """How far the serving target can be reached on this machine: the C step's measured costs and the schedules they allow.
 
-    python -m kvlab.bench.serving_bound [--model smollm2-135m] [--weights gguf-a8] [--json PATH]
+    kvlab bench serving-bound [--model smollm2-135m] [--weights gguf-a8] [--json PATH]
 
 The serving report's target, at concurrency 16 (16 prompts of 128 tokens, 24 tokens out each), asks for
 output throughput at least 5x the best peer's with p99 TTFT and TPOT no worse than any peer's. A serialised
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from typing import Optional
 
 from kvlab.files import write_json
+from kvlab.errors import KvlabError
 
 DECODE_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
@@ -124,35 +124,21 @@ def prefill_needed_ms(costs: dict, bound: dict, output_throughput: float) -> Opt
     return 1e3 * allowed_s / (requests * input_len) if allowed_s > 0 else None
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench serving-bound`: the C step's costs, the schedule bounds printed, --json written."""
     from kvlab.bench.provenance import provenance
     from kvlab.engine.llm import load_for_engine
 
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.serving_bound", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", help="a name, a .gguf file or a HF directory")
-    parser.add_argument("--weights", default="gguf-a8", help="as kvlab serve's --weights (default gguf-a8)")
-    parser.add_argument("--kv-cache-dtype", default="fp16")
-    parser.add_argument("--requests", type=int, default=16, help="prompts in flight (the target's concurrency)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=24)
-    parser.add_argument("--repetitions", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int)
-    parser.add_argument("--json", metavar="PATH", help="write the costs and bounds here, with provenance")
-    args = parser.parse_args(argv)
-    for name in ("requests", "input_len", "output_len", "repetitions"):
-        if getattr(args, name) < (2 if name == "output_len" else 1):
-            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    if args.output_len < 2:
+        raise KvlabError(f"--output-len is too small: {args.output_len} (at least 2: a prefill and a decode step)")
     try:
         model, tokenizer = load_for_engine(args.model, args.weights, threads=args.threads)
         costs = measure_costs(model, tokenizer, args.requests, args.input_len, args.output_len, args.kv_cache_dtype,
                               repetitions=args.repetitions, seed=args.seed)
     except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise KvlabError(str(error)) from error
     if not costs:
-        print(f"error: {args.model} with --weights {args.weights} has no C paged step to measure", file=sys.stderr)
-        return 2
+        raise KvlabError(f"{args.model} with --weights {args.weights} has no C paged step to measure")
     prefill = costs["prefill_ms_per_token"]
     print(f"prefill: {prefill[str(args.requests)]:.3f} ms per token with {args.requests} prompts of {args.input_len} "
           f"in one call ({1e3 / prefill[str(args.requests)]:.0f} tok/s), {prefill['1']:.3f} with one")
@@ -165,7 +151,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

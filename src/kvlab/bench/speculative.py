@@ -1,6 +1,6 @@
 """Speculative decoding on SmolLM2-135M: acceptance and speed, with and without speculation, in one run.
 
-    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.speculative --out reports/speculative
+    flock /tmp/kvlab-heavy.lock kvlab bench speculative --out reports/speculative
 
 Grid: batch 1 and 8, temperature 0 and 0.7, two workloads (chat: held-out ShareGPT first
 turns; predictable: held-out code and list requests, kvlab.draft.prompts), methods: the two
@@ -122,8 +122,7 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
     total = sum(len(runs) + 2 for *_, runs in grid)
     bar = progress_bar(total, "speculative", unit="run", enabled=sys.stderr.isatty())
     cells = []
-    header = {"benchmark": "speculative", "command": "python3 -m kvlab.bench.speculative " + " ".join(
-                  sys.argv[1:] if argv_of(args) is None else argv_of(args)), "model": args.model, "max_tokens": args.max_tokens,
+    header = {"benchmark": "speculative", "command": "kvlab " + " ".join(args.argv), "model": args.model, "max_tokens": args.max_tokens,
               "prompts_batch1": args.prompts_b1, "self_layers": args.self_layers, "drafts": draft_summaries(drafts),
               "provenance": provenance()}
     prompts = {w: workload_prompts(tokenizer, w, max(*BATCHES, args.prompts_b1)) for w in ("chat", "predictable")}
@@ -163,10 +162,6 @@ def run(args: argparse.Namespace, on_cell=None) -> dict:
     return {**header, "cells": cells, "partial": False}
 
 
-def argv_of(args) -> Optional[list]:
-    return getattr(args, "argv", None)
-
-
 def draft_summaries(drafts: dict[str, str]) -> dict:
     """What `kvlab draft train` recorded about each draft (kvlab_draft.json): steps, tokens, validation."""
     import json
@@ -181,25 +176,8 @@ def draft_summaries(drafts: dict[str, str]) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvlab.bench.speculative", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--draft-xs", default=default_draft_dir("xs"), help="trained draft xs (kvlab draft train)")
-    parser.add_argument("--draft-s", default=default_draft_dir("s"), help="trained draft s")
-    parser.add_argument("--self-layers", type=int, default=6, help="self-draft depth (default 6 of 30)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
-    parser.add_argument("--prompts-b1", type=int, default=4, help="requests at batch 1, one after another (default 4)")
-    parser.add_argument("--out", default="reports/speculative", help="folder for results.json and README.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="k = 3 for every method, k in {1, 2, 4, 6} for the trained drafts at batch 1, greedy")
-    parser.add_argument("--smoke", action="store_true", help="a tiny grid (k 1-2), to check the pipeline")
-    args = parser.parse_args(argv)
-    from kvlab.bench.speculative_report import write_report
-    result = run(args, on_cell=lambda partial: write_report(partial, Path(args.out)))
-    write_report(result, Path(args.out))
-    print(f"wrote {args.out}/results.json and {args.out}/README.md")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run_command(args: argparse.Namespace, on_cell=None) -> dict:
+    """`kvlab bench speculative`: the drafts' defaults filled in, then `run` (on_cell: each partial result)."""
+    args.draft_xs = args.draft_xs or default_draft_dir("xs")
+    args.draft_s = args.draft_s or default_draft_dir("s")
+    return run(args, on_cell=on_cell)

@@ -15,7 +15,7 @@ run puts one tree first on PYTHONPATH, and the trees take turns within every rou
 alternates between rounds), so a shared machine's drift falls on all alike; ratios are of
 medians from the same run. Results are printed and written as JSON with provenance.
 
-    flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.startup --tree main=/work/main/src \\
+    flock /tmp/kvlab-heavy.lock kvlab bench startup --tree main=/work/main/src \\
         --tree branch=src --runs 5 --json-out reports/startup/startup.json
 """
 
@@ -34,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
+
+from kvlab.errors import KvlabError
 
 MEASURES = ("plan_file", "plan_name", "engine", "engine_imports", "engine_load", "serve_health",
             "serve_first_completion")
@@ -163,26 +165,16 @@ def run_bench(trees: dict[str, str], runs: int, warmup: int, kvlab: str, gguf: s
     return results
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m kvlab.bench.startup", description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", action="append", metavar="LABEL=SRC",
-                        help="a source tree to time (repeatable; default: this checkout's src as 'this')")
-    parser.add_argument("--runs", type=int, default=5, help="counted rounds (default 5; medians over them)")
-    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds first: kernel builds, page cache")
-    parser.add_argument("--model", default="smollm2-135m", help="model name for plan NAME, the engine and serve")
-    parser.add_argument("--gguf", help="the GGUF for `kvlab plan FILE` (default: the model's resolved file)")
-    parser.add_argument("--kvlab", default=shutil.which("kvlab"), help="the kvlab executable (default: on PATH)")
-    parser.add_argument("--pycache", metavar="DIR", help="write and read bytecode under DIR (PYTHONPYCACHEPREFIX), "
-                        "as an install with __pycache__ runs; default: this environment as it is")
-    parser.add_argument("--json-out", type=Path, help="write the results here as JSON (atomically)")
-    args = parser.parse_args(argv)
-    if not args.kvlab:
-        parser.error("no kvlab executable on PATH; give --kvlab")
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench startup`: time every tree, print the medians, write --json-out."""
+    kvlab = args.kvlab or shutil.which("kvlab")
+    if not kvlab:
+        raise KvlabError("no kvlab executable on PATH; give --kvlab")
     trees = dict(item.split("=", 1) for item in (args.tree or [f"this={Path(__file__).resolve().parents[2]}"]))
     from kvlab.checkpoints.resolve import resolve_model_path
 
     gguf = args.gguf or resolve_model_path(args.model)
-    results = run_bench(trees, args.runs, args.warmup, args.kvlab, gguf, args.model, args.pycache)
+    results = run_bench(trees, args.runs, args.warmup, kvlab, gguf, args.model, args.pycache)
     labels = list(trees)
     print(f"\nmedian of {args.runs} cold runs (s):  " + "  ".join(f"{label:>10}" for label in labels)
           + (f"   ratio {labels[1]}/{labels[0]}" if len(labels) == 2 else ""))
@@ -196,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from kvlab.bench.provenance import git_state, provenance
         from kvlab.files import write_json
 
-        record = {"benchmark": "startup", "model": args.model, "gguf": gguf, "kvlab_executable": args.kvlab,
+        record = {"benchmark": "startup", "model": args.model, "gguf": gguf, "kvlab_executable": kvlab,
                   "runs": args.runs, "warmup": args.warmup,
                   "bytecode": (f"cached under {args.pycache} (PYTHONPYCACHEPREFIX)" if args.pycache else
                                "as the environment has it: PYTHONDONTWRITEBYTECODE="
@@ -208,7 +200,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_json(args.json_out, record)
         print(f"wrote {args.json_out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

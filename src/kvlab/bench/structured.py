@@ -1,6 +1,6 @@
 """Structured outputs, measured: do constrained answers parse, and what does a constrained step cost?
 
-    flock /tmp/kvlab-heavy.lock python -m kvlab.bench.structured --json reports/serving/structured.json
+    flock /tmp/kvlab-heavy.lock kvlab bench structured --json reports/serving/structured.json
 
 Three parts, one run, SmolLM2 by default:
 - **backends** (`--backends`): llguidance against xgrammar (vLLM's two) on the model's vocabulary:
@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
-from typing import Optional
 
+from kvlab.errors import KvlabError
+
+PARTS = ("backends", "validity", "step")
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "city": {"type": "string", "maxLength": 24}}, "required": ["name", "age", "city"], "additionalProperties": False}
@@ -221,20 +222,14 @@ def step_cost(model: str, rows: int, repeats: int, steps: int, threads: int) -> 
             "load_average_1m": [load_before, os.getloadavg()[0]]}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.structured", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--parts", default="backends,validity,step", help="of backends, validity, step")
-    parser.add_argument("--answers", type=int, default=100, help="constrained answers to validate (default 100)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="step-cost runs of each kind, taking turns")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per step-cost run")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", help="write the result (with provenance) here")
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench structured`: the chosen parts, each printed, the result written to --json."""
     from kvlab.bench.provenance import provenance
 
-    parts = {p.strip() for p in args.parts.split(",")}
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise KvlabError(f"--parts: unknown part {sorted(unknown)[0]!r}: choose from {', '.join(PARTS)}")
     result: dict = {"model": args.model}
     if "backends" in parts:
         b = result["backends"] = backends(args.model, args.concurrency)
@@ -256,7 +251,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_json(Path(args.json), result)
         print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -77,4 +77,4 @@ def run_generate(model, prompt: list[int], output_len: int) -> dict:
     out = generate(model, prompt, output_len, cache=cache, stats=stats)
     elapsed = time.perf_counter() - started
     return {"elapsed_s": elapsed, "output_tokens": out.shape[1], "output_tokens_per_s": out.shape[1] / elapsed,
-            "fused_decode": stats["fused_decode"]}
+            "paged_step": stats["paged_step"]}

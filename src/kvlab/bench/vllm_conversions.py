@@ -1,8 +1,8 @@
 """SmolLM2-135M and its KV-head conversions served by real vLLM: capacity lines and greedy text against kvlab's.
 
-    flock /tmp/kvlab-heavy.lock python -m kvlab.bench.vllm_conversions [--variants original,mqa] \
+    flock /tmp/kvlab-heavy.lock kvlab bench vllm-conversions [--variants original,mqa] \
         [--json reports/real-models/conversions.json]
-    python -m kvlab.bench.vllm_conversions --render reports/real-models/conversions.json   # the .md only
+    kvlab report vllm-conversions reports/real-models/conversions.json   # the .md only
 
 `kvlab convert` claims its directories are what vLLM serves and `kvlab plan --engine vllm`
 claims to predict what vLLM logs for them; this checks both on this machine. For each variant
@@ -27,14 +27,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 from kvlab.bench.cli_child import kvlab_cli
-from kvlab.files import write_atomic
+from kvlab.errors import KvlabError
 
 PROMPTS = (("completion", "The capital of France is"), ("chat", "What is the capital of France?"))
 MAX_TOKENS = 16
@@ -208,102 +207,14 @@ def measure(variants: list[str], vllm_python: Optional[str] = None, mla: bool = 
             "provenance": provenance()}
 
 
-def render(result: dict) -> str:
-    """The report's Markdown, from the JSON alone."""
-    prov = result.get("provenance", {})
-    lines = ["# SmolLM2-135M conversions in real vLLM", "",
-             "Regenerate (≈15 min, starts vLLM once per variant): `flock /tmp/kvlab-heavy.lock python -m "
-             "kvlab.bench.vllm_conversions --json reports/real-models/conversions.json` (writes this file too; "
-             "`--render JSON` re-renders it alone).", "",
-             f"vLLM CPU backend, VLLM_CPU_KVCACHE_SPACE={result['kv_cache_space_gib']} GiB, `--dtype bfloat16`, "
-             f"greedy, max_tokens {result['max_tokens']}, prompts sent as kvlab's token ids. "
-             f"kvlab commit {prov.get('git_commit', '?')}.", "",
-             "| variant | KV heads | vLLM logged | kvlab plan predicts | equal | tokens vs original |",
-             "|---|---|---|---|---|---|"]
-    for row in result["variants"]:
-        v, p = row["vllm"], row["plan"]
-        logged = f"`{v['capacity_line']}`" if v.get("started") else "vLLM did not start"
-        ratio = f"{row['tokens_over_original']:.3f}x" if "tokens_over_original" in row else "-"
-        lines.append(f"| {row['variant']} | {p['kv_heads']} of {p['q_heads']} | {logged} | `{p['log_lines'][1]}` | "
-                     f"{'yes' if row.get('capacity_matches_plan') else 'no'} | {ratio} |")
-    lines += ["", f"Planner command: `{result['variants'][0]['plan']['command']}`." if result["variants"] else "", ""]
-    lines += ["## Greedy text", "", "| variant | prompt | vLLM (bf16) | kvlab fp32 | = | kvlab bf16 | = |",
-              "|---|---|---|---|---|---|---|"]
-    for row in result["variants"]:
-        if not row["vllm"].get("started"):
-            continue
-        for kind, prompt in result["prompts"].items():
-            theirs = row["vllm"]["texts"][kind]["text"]
-            cells = [row["variant"], f"{kind}: {prompt}", _cell(theirs)]
-            for dtype in ("float32", "bfloat16"):
-                cells += [_cell(row["kvlab"][dtype][kind]["text"]),
-                          "yes" if row["text_matches"][dtype][kind] else "**no**"]
-            lines.append("| " + " | ".join(cells) + " |")
-    odd = [f"{r['variant']} {kind}" for r in result["variants"] if r["vllm"].get("started")
-           for kind in result["prompts"] if not r["text_matches"]["float32"][kind] and not r["text_matches"]["bfloat16"][kind]
-           and r["kvlab"]["float32"][kind]["ids"] == r["kvlab"]["bfloat16"][kind]["ids"]]
-    if odd:
-        lines += ["", f"Not explained by precision alone: on {', '.join(odd)} kvlab's bf16 and fp32 runs agree token "
-                  "for token while vLLM's text differs from both (same prompt ids; the cause is not investigated "
-                  "here)."]
-    failed = [r for r in result["variants"] if not r["vllm"].get("started")]
-    if failed:
-        lines += ["", "## vLLM failed to start", ""]
-        for row in failed:
-            lines += [f"- {row['variant']} (after {row['vllm']['after_s']} s): `{_cell(row['vllm']['error'])}`"]
-    for row in result.get("skipped", []):
-        lines += ["", f"Not run: {row['variant']} ({row['skipped']})."]
-    mla = result.get("mla")
-    if mla:
-        lines += ["", "## MLA (`kvlab convert --to mla`): not served", ""]
-        if mla.get("convert_rc"):
-            lines.append(f"`kvlab convert --to mla` itself failed: `{mla['convert_error']}`")
-        else:
-            lines.append(f"`{mla['command']}` exits {mla['export_rc']}: `{_cell(mla['export_message'])}`")
-            lines += ["", "vLLM was not started for it: no vLLM model implements kvlab's two MLA extensions "
-                      "(`kvlab_rope_key_heads`: RoPE keys per KV head rather than DeepSeek-V2's one shared rope key; "
-                      "`kvlab_latent_norm: false`: no RMSNorm on the latent), so its DeepSeek-V2 loader would "
-                      "compute a different model."]
-    vers = {r["vllm"].get("version") for r in result["variants"] if r["vllm"].get("version")}
-    lines += ["", f"vLLM {', '.join(sorted(vers)) or '?'}; machine: {prov.get('machine', {}).get('cpu', '?')}.", ""]
-    return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)[1:-1].replace("|", "\\|")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.vllm_conversions", description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="original,mqa", help="comma list of original, mqa, mha")
-    parser.add_argument("--vllm-python", help="the vLLM venv's python (default $KVLAB_VLLM_PYTHON or "
-                        "/work/venv-vllm/bin/python)")
-    parser.add_argument("--no-mla", action="store_true", help="skip the MLA conversion's export refusal")
-    parser.add_argument("--budget-s", type=float, default=900.0, help="start no further variant once vLLM "
-                        "time so far plus the longest variant would pass this (default 900)")
-    parser.add_argument("--json", metavar="PATH", help="write the result here and the .md beside it")
-    parser.add_argument("--render", metavar="JSON", help="only render JSON's .md beside it")
-    args = parser.parse_args(argv)
-    if args.render:
-        path = Path(args.render)
-        result = json.loads(path.read_text())
-    else:
-        names = [n.strip() for n in args.variants.split(",") if n.strip()]
-        unknown = [n for n in names if n not in VARIANTS]
-        if unknown:
-            parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
-        result = measure(names, args.vllm_python, not args.no_mla, args.budget_s)
-        path = Path(args.json) if args.json else None
-        if path:
-            from kvlab.files import write_json
-            write_json(path, result)
-    text = render(result)
-    if path:
-        write_atomic(path.with_suffix(".md"), text)
-    print(text)
-    ok = all(r.get("capacity_matches_plan") for r in result["variants"])
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run_command(args: argparse.Namespace) -> dict:
+    """`kvlab bench vllm-conversions`: measure the chosen variants, write --json; the result."""
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise KvlabError(f"--variants: unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    result = measure(names, args.vllm_python, not args.no_mla, args.budget_s)
+    if args.json:
+        from kvlab.files import write_json
+        write_json(Path(args.json), result)
+    return result

@@ -1,6 +1,6 @@
 """vLLM's own serving benchmark against `kvlab serve`, and `kvlab bench serve` on the same workload beside it.
 
-    flock /tmp/kvlab-heavy.lock python -m kvlab.bench.vllm_interop [--model smollm2-135m] [--json PATH]
+    flock /tmp/kvlab-heavy.lock kvlab bench vllm-interop [--model smollm2-135m] [--json PATH]
 
 Users compare engines with `vllm bench serve`, so kvlab's server must pass it. This starts one
 `kvlab serve MODEL` and, for each of vLLM's `random` and `prefix_repetition` datasets, runs
@@ -40,7 +40,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Optional
@@ -211,23 +210,8 @@ def _pair(dataset: str, theirs: dict, ours: dict, expected_tokens: int) -> dict:
                                 for k in COMPARED}}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.vllm_interop", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--vllm-python", help="the vLLM venv's python (default $KVLAB_VLLM_PYTHON or "
-                        "/work/venv-vllm/bin/python)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-concurrency", type=int, default=4,
-                        help="the loaded run's concurrency (each workload also runs at 1)")
-    parser.add_argument("--input-len", type=int, default=128, help="random: prompt; prefix_repetition: suffix")
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--prefix-len", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="kvlab serve's threads (default: all cores)")
-    parser.add_argument("--tolerance", type=float, default=1.5,
-                        help="each agreed vLLM/kvlab ratio within [1/t, t] (module docstring: which are agreed)")
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench vllm-interop`: every pair printed, PASSED or FAILED, --json written; exit 1 when failed."""
     result = interop(args.model, args.vllm_python, args.num_prompts, args.max_concurrency, args.input_len,
                      args.output_len, args.prefix_len, args.seed, args.threads, args.tolerance)
     for pair in result["pairs"]:
@@ -247,7 +231,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         from kvlab.files import write_json
         write_json(args.json, result)
     return 0 if result["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

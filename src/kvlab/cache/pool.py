@@ -116,7 +116,7 @@ class KVPool:
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
         as the plan groups them (kvlab.plan.vllm_groups.kv_groups), under an optional sinks + window policy."""
         fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size, residual)
-        groups = model_groups(config.windows, layer_groups(config, block_size, kv_window, sink_tokens),
+        groups = model_groups(config.sliding_windows, layer_groups(config, block_size, kv_window, sink_tokens),
                               kv_window, sink_tokens)
         if config.attention == "mla":
             return cls(config.n_layers, 1, config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, 0,

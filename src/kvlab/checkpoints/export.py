@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from kvlab.cache.base import TORCH_DTYPES
 from kvlab.checkpoints.tokenizer import Tokenizer
+from kvlab.files import write_directory
 from kvlab.nn.model import Decoder
 from kvlab.plan.errors import PlanError
 
@@ -37,12 +37,9 @@ class Source:
     stored_dtype: str = "fp32"  # how the file stores its matrices: fp32, or bf16 for anything narrower
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def output_dtype(requested: str, source: Source) -> torch.dtype:
     """--dtype: `auto` writes what the source ships (bf16 unless it stores fp32 matrices, like stories260K)."""
-    return DTYPES[source.stored_dtype if requested == "auto" else requested]
+    return TORCH_DTYPES[source.stored_dtype if requested == "auto" else requested]
 
 
 def load_source(name: str) -> Source:
@@ -119,9 +116,8 @@ def write_outputs(model: Decoder, source: Source, out: str, gguf: bool, force: b
     check_out(out, force)
     if gguf and source.tokenizer_metadata is None:
         raise PlanError("--gguf copies the source GGUF's tokenizer; convert from a .gguf file or a model name")
-    parent = os.path.dirname(os.path.abspath(out))
-    temporary = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out)}.tmp-")
-    try:
+    def fill(staging) -> None:
+        temporary = str(staging)
         step("safetensors")
         if dtype is not None and dtype != model.dtype:
             from copy import deepcopy
@@ -135,13 +131,10 @@ def write_outputs(model: Decoder, source: Source, out: str, gguf: bool, force: b
             write_gguf(model, os.path.join(temporary, GGUF_NAME), source.tokenizer_metadata)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(temporary, 0o777 & ~umask)  # mkdtemp's 0700 would hide OUT from other users
-        for name in os.listdir(temporary):
+        for name in os.listdir(temporary):  # readable by other users, as the folder is
             os.chmod(os.path.join(temporary, name), 0o666 & ~umask)
-        _replace(temporary, out)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
+
+    write_directory(os.path.abspath(out), fill)
     return sorted(os.listdir(out))
 
 
@@ -159,18 +152,3 @@ def _write_generation_config(directory: str, tokenizer: Optional[Tokenizer]) -> 
         json.dump(config, handle, indent=2)
     with open(os.path.join(directory, "generation_config.json"), "w") as handle:
         json.dump({**ids, "_from_model_config": True}, handle, indent=2)
-
-
-def _replace(temporary: str, out: str) -> None:
-    """Rename `temporary` to `out`; an existing `out` is moved aside first and removed last."""
-    if not os.path.exists(out):
-        os.rename(temporary, out)
-        return
-    aside = f"{temporary}.old"
-    os.rename(out, aside)
-    try:
-        os.rename(temporary, out)
-    except BaseException:
-        os.rename(aside, out)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)

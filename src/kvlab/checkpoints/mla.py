@@ -68,7 +68,7 @@ def check_mla_source(config: ModelConfig, rope_dim: int) -> None:
         raise PlanError("--to mla converts grouped-query (MHA/GQA/MQA) attention; this model already uses MLA")
     if config.bias:
         raise PlanError("--to mla converts attention without biases; this model has them")
-    if any(config.windows):
+    if any(config.sliding_windows):
         raise PlanError("--to mla: kvlab's MLA attends fully, and this model (Gemma 3) has sliding-window layers; "
                         "no MLA form of it is written")
     if config.qk_norm:

@@ -9,12 +9,20 @@ from kvlab.plan.errors import PlanError
 from kvlab.plan.kv_formats import ACTIVATION_DTYPES
 from kvlab.plan.units import parse_bytes
 
-WEIGHTS_HELP = ("gguf: compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 activations; with an "
-                "fp32/fp16/bf16/fp8/int8/int4/int2 cache each decode step is one C call); gguf-a8: the same with int8 "
-                "activations on the 4-bit blocks, as llama.cpp (faster products, +0.4%% perplexity on SmolLM2, "
-                "near-tied tokens flip); dense: dequantise to fp32, transformers' arithmetic; int4: PyTorch's int4 "
-                "kernel (bf16 activations); auto: gguf where its C kernels build, else dense, and dense with "
-                "--kv-heads")
+WEIGHTS_MEANING = {  # what each --weights choice computes on; a command's help lists only the ones it takes
+    "gguf": "compute on a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K blocks (int16 activations; with an "
+            "fp32/fp16/bf16/fp8/int8/int4/int2 cache each decode step is one C call)",
+    "gguf-a8": "the same with int8 activations on the 4-bit blocks, as llama.cpp (faster products, +0.4%% "
+               "perplexity on SmolLM2, near-tied tokens flip)",
+    "dense": "dequantise to fp32, transformers' arithmetic",
+    "int4": "PyTorch's int4 kernel (bf16 activations)",
+    "auto": "gguf where its C kernels build, else dense, and dense with --kv-heads",
+}
+
+
+def weights_help(weights: tuple[str, ...]) -> str:
+    """The --weights help for a command that takes `weights`: each choice's meaning, in the table's order."""
+    return "; ".join(f"{name}: {WEIGHTS_MEANING[name]}" for name in WEIGHTS_MEANING if name in weights)
 
 
 def add_model_flags(parser, weights: tuple[str, ...] = WEIGHTS_CHOICES, weights_default: str = "auto",
@@ -22,10 +30,10 @@ def add_model_flags(parser, weights: tuple[str, ...] = WEIGHTS_CHOICES, weights_
     """--weights, --dtype and --threads: one definition for every command that loads a model.
 
     `parser`: a parser or an argument group. A command that cannot use every packing (kvlab eval's
-    reference caches need dense or GGUF blocks) narrows `weights`; the help says what each means.
+    reference caches need dense or GGUF blocks) narrows `weights`; the help lists only those.
     """
     parser.add_argument("--weights", default=weights_default, choices=weights,
-                        help=f"how a GGUF's matrices are computed on (default {weights_default}). {WEIGHTS_HELP}")
+                        help=f"how a GGUF's matrices are computed on (default {weights_default}). {weights_help(weights)}")
     if dtype:
         parser.add_argument("--dtype", default="fp32", choices=ACTIVATION_DTYPES, help="activation dtype (default fp32)")
     parser.add_argument("--threads", type=positive_int,
@@ -51,14 +59,23 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0, "non-negative")
 
 
-def positive_float(text: str) -> float:
+def _float_from(text: str, positive: bool) -> float:
+    kind = "positive" if positive else "non-negative"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        value = float("nan")
+    if not (value > 0 if positive else value >= 0):  # nan fails both
+        raise argparse.ArgumentTypeError(f"expected a {kind} number, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _float_from(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    return _float_from(text, positive=False)
 
 
 def byte_size(text: str) -> int:

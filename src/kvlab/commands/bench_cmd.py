@@ -15,8 +15,7 @@ THROUGHPUT_HELP = "N random prompts through the engine at once: request and toke
 
 def add_parser(subparsers, name: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    parser.set_defaults(run=lambda args: parser.error("choose a benchmark: throughput, serve, compare, decode, "
-                                                      "paged-decode, shared-cpu or crossover"))
+    parser.set_defaults(run=lambda args: parser.error("choose a benchmark (kvlab bench --help lists them)"))
     benches = parser.add_subparsers(dest="bench", metavar="BENCH")
     tp = benches.add_parser("throughput", help=THROUGHPUT_HELP, description=THROUGHPUT_HELP)
     add_engine_arguments(tp)
@@ -33,13 +32,17 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
     from kvlab.commands import (bench_compare_cmd, bench_crossover_cmd, bench_decode_cmd, bench_paged_cmd,
-                                bench_serve_cmd, bench_shared_cpu_cmd)
+                                bench_real_models_cmd, bench_serve_cmd, bench_serving_cmd, bench_shared_cpu_cmd,
+                                bench_speculative_cmd)
     bench_serve_cmd.add_parser(benches)
     bench_compare_cmd.add_parser(benches)
     bench_decode_cmd.add_parser(benches)
     bench_paged_cmd.add_parser(benches)
     bench_shared_cpu_cmd.add_parser(benches)
     bench_crossover_cmd.add_parser(benches)
+    bench_serving_cmd.add_parsers(benches)
+    bench_speculative_cmd.add_parsers(benches)
+    bench_real_models_cmd.add_parsers(benches)
 
 
 def run_throughput(args: argparse.Namespace) -> int:

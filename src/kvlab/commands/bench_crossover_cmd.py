@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvlab.commands.args import positive_int
+from kvlab.commands.args import add_model_flags
 
 HELP = ("time each GGUF matrix shape of the model's first layer in kvlab's C kernels and in the library "
         "(torch/oneDNN, bf16 where the CPU has AMX or AVX-512 BF16, else fp32) at 2-256 rows, and remember "
@@ -15,9 +15,7 @@ HELP = ("time each GGUF matrix shape of the model's first layer in kvlab's C ker
 def add_parser(benches) -> None:
     parser = benches.add_parser("crossover", help=HELP, description=HELP)
     parser.add_argument("model", nargs="?", default="smollm2-135m", help="model (default smollm2-135m)")
-    parser.add_argument("--threads", type=positive_int, help="torch threads (default: torch's)")
-    parser.add_argument("--weights", default="gguf", choices=("gguf", "gguf-a8"),
-                        help="the GGUF activations the kernels run (default gguf: int16)")
+    add_model_flags(parser, weights=("gguf", "gguf-a8"), weights_default="gguf", dtype=False)  # the kernels' packings
     parser.add_argument("--json", metavar="PATH", help="also write the table here, with provenance")
     parser.set_defaults(run=run_crossover)
 

@@ -223,8 +223,8 @@ def _pad_only(args: argparse.Namespace, source) -> int:
 
 
 def _dtypes() -> dict:
-    from kvlab.checkpoints.export import DTYPES
-    return DTYPES
+    from kvlab.cache.base import TORCH_DTYPES
+    return TORCH_DTYPES
 
 
 def _fp16():

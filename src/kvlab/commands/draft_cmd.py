@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from kvlab.commands.args import positive_float, positive_int
+from kvlab.files import write_directory
 
 HELP_CORPUS = "generate (or finish) the distillation corpus: the teacher's answers with its top log-probabilities"
 HELP_TRAIN = "distil a draft for speculative decoding from the teacher (resumable; writes a model directory)"
@@ -189,24 +187,4 @@ def save_draft(model, tokenizer, out: str, summary: dict) -> None:
         save_hf(model.eval(), str(staging), tokenizer)
         with open(staging / "kvlab_draft.json", "w") as f:
             json.dump(summary, f, indent=2, default=str)
-    replace_directory(out, write)
-
-
-def replace_directory(out: str, write) -> None:
-    """`write(staging)` fills a temporary folder beside `out`, which is then renamed into place: a run
-    killed half way leaves the old directory (or none), never a half-written one."""
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp-"))
-    try:
-        write(staging)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".old-"))
-            os.replace(target, old / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    write_directory(out, write)

@@ -55,7 +55,7 @@ def prepare(args: argparse.Namespace, result: dict, budget: Optional[float]):
     from kvlab.draft.distill import split_records, trainable
     from kvlab.draft.features import draft_vocabulary, load_or_collect
     from kvlab.engine.llm import load_for_engine
-    from kvlab.nn.fused_decode import embed_rows
+    from kvlab.nn.c_model import embed_rows
 
     corpus_config, directory = _corpus(args)
     result["corpus"] = build_corpus(corpus_config, directory, max_seconds=budget, log=_log, progress=args.progress)
@@ -142,6 +142,6 @@ def _medusa(args, model, train, val, embedding, d2t, work: Path):
 
 def write_head(head, out: str, summary: dict) -> None:
     """The head directory, written beside `out` and renamed into place (an old one is replaced)."""
-    from kvlab.commands.draft_cmd import replace_directory
+    from kvlab.files import write_directory
     from kvlab.nn.draft_head import save_head
-    replace_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))
+    write_directory(out, lambda staging: save_head(head.eval(), str(staging), {"kvlab_train": summary}))

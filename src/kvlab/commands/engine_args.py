@@ -54,8 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
                        help="vLLM's flag: only 1 (the default) is accepted")
     sched.add_argument("--seed", type=int, default=0, help="seed for requests that set none (default 0)")
-    sched.add_argument("--no-fused", dest="fused", action="store_false",
-                       help="run every step module by module (the reference path)")
+    sched.add_argument("--no-paged-step", dest="paged_step", action="store_false",
+                       help="run every step module by module (the reference path), not kvlab's C paged step")
     sched.add_argument("--speculative-config", metavar="JSON",
                        help='speculative decoding, as vLLM\'s: {"method": "ngram" | "self" | "draft_model" | '
                             '"eagle" | "medusa", "num_speculative_tokens": k, "prompt_lookup_min": .., '
@@ -82,7 +82,7 @@ def engine_from_args(args: argparse.Namespace):
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction, block_size=args.block_size,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, max_wait_ms=args.max_wait_ms,
-                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, fused=args.fused,
+                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, paged_step=args.paged_step,
                           speculative_config=args.speculative_config, kv_window=args.kv_window,
                           sink_tokens=args.sink_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                           tensor_parallel_size=args.tensor_parallel_size,

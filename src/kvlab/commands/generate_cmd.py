@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvlab.checkpoints.tokenizer import prompt_ids
-from kvlab.commands.args import non_negative_int, positive_int, unit_interval
+from kvlab.commands.args import non_negative_float, non_negative_int, positive_int, unit_interval
 from kvlab.commands.lab_args import add_lab_arguments, load_from_args
 from kvlab.plan.errors import PlanError
 
@@ -16,17 +16,6 @@ EXAMPLES = """examples:
   kvlab generate smollm2-135m --prompt "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 1
   kvlab generate smollm2-135m --prompt "The capital of France is" --kv-heads 1 --kv-cache-dtype int8
 """
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
-
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str) -> None:

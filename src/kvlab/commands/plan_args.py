@@ -106,7 +106,7 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     spec = add_speculative_arguments(parser, "expected acceptance rate a, for the paper's speed-up")
     spec.add_argument("--verify-cost", type=float, default=1.0,
                       help="what verifying k + 1 tokens costs in plain decode steps (1: decode bound by weight reads, "
-                           "as on a GPU; on a CPU measure it: python3 -m kvlab.bench.speculative)")
+                           "as on a GPU; on a CPU measure it: kvlab bench speculative)")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--context", "--max-model-len", dest="context", type=positive_int, default=4096,
                           help="tokens per sequence (4096); with --engine vllm, its --max-model-len")

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render_only(out) -> int:
     from kvlab.plan.errors import PlanError
+    from kvlab.nn.config import plan_spec
     from kvlab.report.gqa_report import write_report
     from kvlab.files import read_json
 
@@ -94,7 +95,7 @@ def render_only(out) -> int:
     results = read_json(out / "results.json")
     if results is None:
         raise PlanError(f"--render-only: no results.json in {out}")
-    print(f"wrote {write_report(results, out)}", file=sys.stderr)
+    print(f"wrote {write_report(results, out, plan_spec)}", file=sys.stderr)
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 from kvlab.engine.sampling import filtered_logits
 from kvlab.engine.sequence import Sequence
 from kvlab.nn.eagle import EagleHead
-from kvlab.nn.fused_decode import embed_rows
+from kvlab.nn.c_model import embed_rows
 
 
 def record_features(seq: Sequence, start: int, rows: torch.Tensor, window: int) -> None:

@@ -55,7 +55,7 @@ class EngineConfig:
     max_wait_ms: float = 0.0
     enable_prefix_caching: bool = True
     seed: int = 0
-    fused: bool = True  # run decode steps in C where the model and pool allow
+    paged_step: bool = True  # run steps in kvlab's C paged step where the model and pool allow
     speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
     kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
     sink_tokens: int = 0
@@ -182,7 +182,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
                                f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
-        if draft is not None and any(layer is not None for layer in mc.windows):
+        if draft is not None and any(layer is not None for layer in mc.sliding_windows):
             raise RequestError("a draft model shares the pool's blocks with a target of one KV group; "
                                f"{mc.name} has sliding layers", "speculative_config")
         self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
@@ -197,7 +197,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.fused:
+        if config.paged_step:
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:

@@ -24,6 +24,6 @@ def budget_for(model, kv_cache_dtype: str, sequences: int, tokens: int, block_si
     spec = config.to_plan_spec()
     seats = sequences if formats.k.scheme == KIVI else 0
     per_block = engine_capacity(spec, 0, tokens, formats, block_size, seats, chunk)["block_bytes_all_layers"]
-    groups = model_groups(config.windows, layer_groups(config, block_size))
+    groups = model_groups(config.sliding_windows, layer_groups(config, block_size))
     blocks = sequences * sum(group.peak_blocks(tokens, chunk, block_size) for group in groups)
     return blocks * per_block + (seats * kivi_seat_bytes(spec, formats) if seats else 0)

@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kvlab.files import write_atomic
+
 
 def _plt():
     import matplotlib
@@ -16,10 +18,7 @@ def _plt():
 
 
 def _save(fig, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(path)
+    write_atomic(path, lambda handle: fig.savefig(handle, format="png", dpi=110, bbox_inches="tight"))
     return str(path)
 
 

@@ -121,7 +121,9 @@ class ModelConfig:
         return self.sliding_window
 
     @property
-    def windows(self) -> tuple[Optional[int], ...]:
+    def sliding_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's sliding window (None for a layer that attends fully): the model's own sliding layers,
+        not a cache policy (that is EngineConfig.kv_window)."""
         return tuple(self.window_of(layer) for layer in range(self.n_layers))
 
     @property
@@ -148,7 +150,7 @@ class ModelConfig:
             kv_heads=self.n_heads if latent else self.kv_heads,
             head_dim=self.qk_nope_head_dim + self.qk_rope_head_dim if latent else self.head_size,
             intermediate=self.ffn_size, vocab=self.vocab_size, tied=self.tie_embeddings, max_context=self.max_seq_len,
-            windows=self.windows if any(self.windows) else (), qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm,
+            windows=self.sliding_windows if any(self.sliding_windows) else (), qkv_bias=bias, o_bias=bias, qk_norm=self.qk_norm,
             gated_mlp=self.mlp in ("swiglu", "geglu"), mlp_bias=self.bias,
             norm_params=2 if self.norm == "layernorm" and self.bias else 1,
             norms_per_layer=4 if self.post_norms else 2, latent=latent,
@@ -169,7 +171,7 @@ class ModelConfig:
             layers = tuple(
                 LayerAttention(SLIDING, self.n_heads, self.kv_heads, self.head_size, self.head_size, window=window)
                 if window else LayerAttention(FULL, self.n_heads, self.kv_heads, self.head_size, self.head_size)
-                for window in self.windows)
+                for window in self.sliding_windows)
         return ModelSpec(
             name=self.name,
             layers=layers,
@@ -180,3 +182,8 @@ class ModelConfig:
             max_context=self.max_seq_len,
             source="kvlab.nn.ModelConfig",
         )
+
+
+def plan_spec(config: dict) -> ModelSpec:
+    """kvlab.plan's view of a saved model config (a ModelConfig as a dict, as results files keep it)."""
+    return ModelConfig(**config).to_plan_spec()

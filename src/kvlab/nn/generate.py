@@ -6,7 +6,7 @@ position's logits, and nothing else happens in Python between steps but sampling
 streaming callback. The cache is the lab's batch of rows on the engine's pool
 (kvlab.cache.PooledRows, `model.new_cache`): the forward is the engine's step, and where the C
 step runs the model on that pool (kvlab.nn.paged_decode) each decode step is one C call;
-`fused=False` keeps the module-by-module path. A reference cache (`model.reference_cache`)
+`paged_step=False` keeps the module-by-module path. A reference cache (`model.reference_cache`)
 runs module by module. The commands users run (`kvlab generate`, `measure`, `serve`) decode
 through the engine itself; this loop serves the lab's studies and the tests' references.
 """
@@ -55,7 +55,7 @@ def generate(
     stop_ids: Iterable[int] = (),
     on_token: Optional[TokenCallback] = None,
     stats: Optional[dict] = None,
-    fused: bool = True,
+    paged_step: bool = True,
     top_p: float = 1.0,
 ) -> torch.Tensor:
     """Continue `prompt` (ids, or [B,T] for a batch) by up to `max_new_tokens`; returns [B, new].
@@ -78,7 +78,7 @@ def generate(
     out = []
     start = time.perf_counter()
     logits = model(tokens, cache, last_only=True)[:, -1]
-    c_step = paged_step_for(model, cache.pool, batch) if fused and isinstance(cache, PooledRows) else None
+    c_step = paged_step_for(model, cache.pool, batch) if paged_step and isinstance(cache, PooledRows) else None
 
     def decode(ids: torch.Tensor) -> torch.Tensor:
         if c_step is None:
@@ -106,5 +106,5 @@ def generate(
             steps += 1
     if stats is not None:
         stats.update(prefill_s=prefill_end - start, decode_s=time.perf_counter() - prefill_end, decode_steps=steps,
-                     fused_decode=c_step is not None)
+                     paged_step=c_step is not None)
     return torch.stack(out, dim=1) if out else tokens.new_zeros((batch, 0))

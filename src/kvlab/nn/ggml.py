@@ -27,7 +27,7 @@ Q4_1 products of 16 rows went from about 26 to about 47 billion multiply-adds pe
 one to three rows 1.2-1.6x faster than row by row, and of 128 to 2,048 rows they match or
 pass PyTorch's fp32 GEMM on the dequantised matrix, without writing that matrix out. Where a
 library product is faster from some row count on (matrix engines), kvlab.nn.matmul_backend
-measures that crossover and sends those products there. kvlab.nn.fused_decode runs a whole
+measures that crossover and sends those products there. kvlab.nn.c_model runs a whole
 decode step on these blocks in one C call.
 
 The C kernels, their build and the instruction set they run on are kvlab.nn.kernels'.

@@ -1,7 +1,7 @@
 """kvlab's C kernels: built once with the system's compiler, loaded with ctypes, and the
 instruction set their products run on.
 
-The products on GGUF blocks (kvlab.nn.ggml) and the whole decode step (kvlab.nn.fused_decode,
+The products on GGUF blocks (kvlab.nn.ggml) and the whole decode step (kvlab.nn.c_model,
 kvlab.nn.paged_decode) are one library compiled from csrc/.
 
 Where the CPU has AVX-512 VNNI the products' layout (kvlab.nn.ggml) is multiplied with vpdpwssd
@@ -39,6 +39,7 @@ from typing import Iterator, Optional
 import torch
 
 from kvlab.errors import KvlabEnvironmentError
+from kvlab.files import write_atomic
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_vnni.c", CSRC / "llama_decode.c",
@@ -104,7 +105,7 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
                 built = Path(tmp) / library.name
                 subprocess.run([compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"], check=True,
                                capture_output=True, timeout=120)
-                os.replace(built, library)  # atomic: parallel builders never load a half-written file
+                write_atomic(library, built.read_bytes())  # parallel builders never load a half-written file
         except subprocess.CalledProcessError as error:
             detail = (error.stderr or b"").decode(errors="replace").strip().splitlines()
             raise KernelBuildError(f"building kvlab's C kernels with {compiler} failed (exit {error.returncode})"

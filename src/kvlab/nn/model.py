@@ -60,7 +60,7 @@ class Decoder(nn.Module):
         with torch.device("cpu"):  # real tables even inside from_state_dict's meta-device build
             self.rope = RoPE(config.rope_dim, config.max_seq_len, config.rope_base, config.rope_style)
             self.rope_local = None  # sliding layers' own table (Gemma 3: base 10,000 against 1,000,000)
-            if any(config.windows) and config.rope_local_base not in (None, config.rope_base):
+            if any(config.sliding_windows) and config.rope_local_base not in (None, config.rope_base):
                 self.rope_local = RoPE(config.rope_dim, config.max_seq_len, config.rope_local_base, config.rope_style)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = make_norm(config.norm, config.dim, config.norm_eps, config.bias)
@@ -193,12 +193,12 @@ class Decoder(nn.Module):
         from kvlab.plan.kv_formats import FLOAT, GROUP
 
         config = self.config
-        if any(config.windows) and not pre_rope and \
+        if any(config.sliding_windows) and not pre_rope and \
                 kv.kv_format(kv_cache_dtype, self.dtype, group_size, residual).scheme in (FLOAT, GROUP):
             from kvlab.cache.window import make_window_cache
             return make_window_cache(kv_cache_dtype, config.n_layers, batch, config.kv_heads, config.head_size,
                                      config.head_size, max_tokens, compute_dtype=self.dtype, group_size=group_size,
-                                     layer_windows=config.windows)
+                                     layer_windows=config.sliding_windows)
         if config.attention == "mla":
             return kv.make_latent_cache(kv_cache_dtype, config.n_layers, batch, config.kv_lora_rank,
                                         config.rope_key_heads * config.qk_rope_head_dim, max_tokens,

@@ -42,7 +42,7 @@ from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, KVPlane
-from kvlab.nn.fused_decode import embed_rows, llama_struct, new_arena, why_not_model
+from kvlab.nn.c_model import embed_rows, llama_struct, new_arena, why_not_model
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder

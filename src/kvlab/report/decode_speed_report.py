@@ -1,6 +1,6 @@
 """reports/decode_speed/README.md, written from the benchmark's JSON files and nothing else.
 
-    python -m kvlab.report.decode_speed_report [reports/decode_speed]
+    kvlab report decode-speed [reports/decode_speed]
 
 Every figure in the page (rates, ratios, prompt length, prefill time, commit, dirty files) is
 read from smollm2_threads2.json and smollm2_threads1.json as kvlab.bench.decode_speed wrote
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from kvlab.files import write_atomic
@@ -48,17 +47,17 @@ def render(folder: Path) -> str:
             ("transformers generate, bf16", "transformers generate (bfloat16")]
     lines = [
         "# Batch-1 greedy decode: kvlab against transformers (SmolLM2-135M-Instruct, Q4_1 GGUF)", "",
-        "<!-- Written by `python -m kvlab.report.decode_speed_report` from the JSON files here; edit notes.md. -->", "",
+        "<!-- Written by `kvlab report decode-speed` from the JSON files here; edit notes.md. -->", "",
         "Regenerate (each about 100 s here), then rewrite this page:", "", "```bash",
         *[f"kvlab bench decode smollm2-135m --batch-1-race --threads {label.split()[0]} "
           f"--json reports/decode_speed/{name}" for label, name in RUNS],
-        "python -m kvlab.report.decode_speed_report reports/decode_speed", "```", "",
+        "kvlab report decode-speed reports/decode_speed", "```", "",
         f"Same GGUF file for every engine (transformers via `gguf_file=`), the same {first['prompt_tokens']}-token "
         f"prompt, exactly {first['new_tokens']} new tokens, prefill included in the time, "
         f"{first['statistic']} ({first['repeats']} timed runs after a warm-up), the engines taking turns. kvlab "
         f"computes on the file's Q4_1/Q8_0 blocks (kvlab.nn.ggml, {ACTIVATIONS[first.get('weights', 'gguf')]}) "
         "and runs twice: with each decode "
-        "step fused into one C call (kvlab.nn.fused_decode, what `generate` does by default) and module by module. "
+        "step fused into one C call (kvlab.nn.c_model, what `generate` does by default) and module by module. "
         "transformers dequantises to fp32 or bf16.", "",
     ]
     for label, result in results.items():
@@ -96,13 +95,6 @@ def render(folder: Path) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    folder = Path(args[0] if args else "reports/decode_speed")
-    write_atomic(folder / "README.md", render(folder))
-    print(f"wrote {folder / 'README.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def write(folder: Path) -> Path:
+    """README.md in `folder`, rendered from the JSON there and written atomically."""
+    return write_atomic(folder / "README.md", render(folder))

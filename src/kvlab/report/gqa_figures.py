@@ -1,8 +1,15 @@
-"""The GQA study's figures, drawn from results.json alone (so any saved result can be redrawn)."""
+"""The GQA study's figures, drawn from results.json alone (so any saved result can be redrawn).
+
+The cache-bytes figure draws kvlab.plan's curve for each variant's model config; the caller
+passes `plan_spec` (config dict -> ModelSpec: kvlab.nn.config.plan_spec), since report/ renders
+and never imports the model code itself.
+"""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import matplotlib
 
@@ -18,11 +25,11 @@ def colour(name: str) -> str:
     return COLOURS.get(name, "#2ca02c")
 
 
-def write_figures(results: dict, out: Path) -> dict[str, str]:
+def write_figures(results: dict, out: Path, plan_spec: Callable) -> dict[str, str]:
     """Draw every figure the results allow; returns {figure: file name}."""
     out.mkdir(parents=True, exist_ok=True)
     drawn = {}
-    for name, draw in (("val_loss", val_loss), ("training", training), ("cache_bytes", cache_bytes),
+    for name, draw in (("val_loss", val_loss), ("training", training), ("cache_bytes", partial(cache_bytes, plan_spec=plan_spec)),
                        ("decode_speed", decode_speed), ("uptraining", uptraining)):
         figure = draw(results)
         if figure is not None:
@@ -81,8 +88,7 @@ def training(results: dict):
     return fig
 
 
-def cache_bytes(results: dict):
-    from kvlab.nn.config import ModelConfig
+def cache_bytes(results: dict, plan_spec: Callable):
     from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -93,7 +99,7 @@ def cache_bytes(results: dict):
     measured |= {c["context"] for cells in decode.values() for c in cells.values()}
     contexts = sorted(set(CONTEXTS) | measured)
     for v in results["variants"]:
-        spec = ModelConfig(**v["config"]).to_plan_spec()
+        spec = plan_spec(v["config"])
         left.plot(contexts, [kv_bytes_per_sequence(spec, c, formats) for c in contexts], color=colour(v["variant"]),
                   label=f"{v['variant']} (plan)")
         points = [(p["context"], p["kv_bytes_measured"]) for p in prefill.get(v["variant"], [])]

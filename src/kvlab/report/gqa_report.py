@@ -8,6 +8,7 @@ report folder, if present, is included verbatim (it survives regeneration).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from kvlab.plan.units import exact_and_binary
 from kvlab.report.gqa_figures import write_figures
@@ -16,9 +17,10 @@ from kvlab.report.markdown import table
 SETUP = "bash scripts/install.sh   # or: pip install -e \".[lab]\" (torch, numpy, matplotlib, tqdm)"
 
 
-def write_report(results: dict, out: Path) -> Path:
+def write_report(results: dict, out: Path, plan_spec: Callable) -> Path:
+    """README.md and the figures; `plan_spec` (config dict -> ModelSpec) draws kvlab.plan's cache curves."""
     out = Path(out)
-    figures = write_figures(results, out)
+    figures = write_figures(results, out, plan_spec)
     discussion = out / "discussion.md"
     text = render(results, figures, discussion.read_text(encoding="utf-8") if discussion.exists() else None)
     path = out / "README.md"

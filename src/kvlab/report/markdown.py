@@ -12,7 +12,7 @@ RULE = {"l": "---", "r": "---:", "c": ":---:"}
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
-    """The table's lines: header, rule, one line per row (cells as `str(cell)`).
+    """The table's lines: header, rule, one line per row (cells as `str(cell)`; None is a blank cell, `| |`).
 
     `align`: a letter per column, l (left, the default), r (right) or c (centre); shorter than
     the header, the remaining columns are left-aligned.
@@ -30,4 +30,4 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = 
 
 
 def row_line(cells: Sequence[object]) -> str:
-    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+    return "|" + "".join(" |" if cell is None else f" {cell} |" for cell in cells)

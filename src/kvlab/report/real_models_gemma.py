@@ -1,4 +1,4 @@
-"""reports/real-models, second model: Gemma 3 270M, MQA with five sliding layers to each global one.
+"""reports/real-models' second model laid out (measured by kvlab.bench.real_models_gemma): Gemma 3 270M, MQA with five sliding layers to each global one.
 
 It answers the question SmolLM2 cannot: what a cache format does to a model that already keeps
 one KV head and a 512-token window on 15 of its 18 layers, at 4,096-token passkey prompts where
@@ -14,30 +14,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kvlab.evals.setting import KVSetting
-from kvlab.report.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, OFFSET, SEEDS, SERVE_CONTEXT, TRIALS,
-                                            WINDOWS, Study, change, fraction)
-
-WINDOW, SINKS = 512, 4  # its own sliding width, now on the global layers as well
-
-STUDY = Study(
-    model="gemma-3-270m", results="gemma3-results.json",
-    settings=(KVSetting("fp16"), KVSetting("fp8"), KVSetting("int8"), KVSetting("int4"), KVSetting("kivi4"),
-              KVSetting("kivi2"), KVSetting("int4", pre_rope=True), KVSetting("kvquant4"), KVSetting("kvquant3"),
-              KVSetting("fp16", window=WINDOW, sinks=SINKS)),
-    lengths=(512, 2048, 4096),
-    passkey_first=("fp16", f"fp16 sink{SINKS}+win{WINDOW}", "kivi2", "int4", "fp8", "int8", "kivi4"),
-    calibration="gemma-3-270m.kvquant.safetensors")
+from kvlab.bench.real_models_gemma import SINKS, STUDY, WINDOW
+from kvlab.bench.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, OFFSET, SEEDS, SERVE_CONTEXT, TRIALS,
+                                           WINDOWS, change, fraction)
+from kvlab.report.markdown import table
 
 
-def table_line(row: dict, base: Optional[dict]) -> str:
+def table_cells(row: dict, base: Optional[dict]) -> list[str]:
     """One setting's row: bytes, perplexity against the fp16 row's, passkey by depth and by length, seats per card."""
     ppl = row["perplexity"]
-    cells = [*change(row, base), *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
+    cells = [row["label"], f"{row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f}",
+             "–" if ppl is None else f"{ppl:.3f}", *change(row, base),
+             *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
     cells += [fraction(row["passkey_by_length"][str(n)]) for n in STUDY.lengths]
-    cells += [str(row["serving"][name]) for name in CARDS]
-    return (f"| {row['label']} | {row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f} | "
-            f"{'–' if ppl is None else f'{ppl:.3f}'} | " + " | ".join(cells) + " |")
+    return cells + [str(row["serving"][name]) for name in CARDS]
 
 
 def section(rows: list[dict]) -> list[str]:
@@ -68,8 +58,7 @@ def section(rows: list[dict]) -> list[str]:
         "- Not measured, and why: KV-head conversions (it has one KV head) and the engine's columns "
         "(kvlab's engine does not serve sliding-window layers yet).",
         "",
-        "| KV setting | KV MiB per 8k sequence | perplexity | vs fp16 | per window | passkey d=0.1 | d=0.5 | d=0.9 | "
-        + " | ".join(f"len {n}" for n in STUDY.lengths) + " | " + " | ".join(f"seats {name}" for name in CARDS) + " |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * (len(STUDY.lengths) + len(CARDS)),
-        *[table_line(row, base) for row in rows],
+        *table(["KV setting", "KV MiB per 8k sequence", "perplexity", "vs fp16", "per window", "passkey d=0.1",
+                "d=0.5", "d=0.9", *(f"len {n}" for n in STUDY.lengths), *(f"seats {name}" for name in CARDS)],
+               [table_cells(row, base) for row in rows]),
     ]

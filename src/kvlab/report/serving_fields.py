@@ -1,7 +1,7 @@
 """The serving report's section on vLLM's request fields: lm-eval against vLLM, structured outputs, plain requests.
 
 Read from three JSON files that scripts/serving_report.sh writes: `lm_eval.json`
-(kvlab.bench.lm_eval_compare), `structured.json` (kvlab.bench.structured) and
+(`kvlab bench lm-eval`), `structured.json` (`kvlab bench structured`) and
 `compare_plain.json` (`kvlab bench compare` of this server against the one before the fields).
 """
 
@@ -17,7 +17,7 @@ def lm_eval_lines(r: Optional[dict]) -> list[str]:
     lines = ["## lm-evaluation-harness: kvlab serve against vLLM's server", ""]
     if r is None:
         return lines + ["Not measured yet: `PIECES=lmeval scripts/serving_report.sh`.", ""]
-    from kvlab.bench.lm_eval_compare import lm_eval_command, table
+    from kvlab.bench.lm_eval_compare import lm_eval_command
     lines += [f"lm-eval 0.4.13's `local-completions` model against each server in turn, on two tasks built from "
               f"the ../shared novels ({r['tasks'].get('kvlab_novel_cloze', 0)} cloze items scored by log-likelihood, "
               f"four choices each: `echo`, `logprobs`, `max_tokens` 0 as lm-eval sends them; "
@@ -29,32 +29,45 @@ def lm_eval_lines(r: Optional[dict]) -> list[str]:
               "with the same weights in the same precision, so their log-likelihoods may differ only by the order "
               "of float32 sums (a few 1e-5 nats over a hundred tokens); kvlab's default also rounds activations to "
               f"int16, which moves them more. Measured at {provenance_text(r)}:", "", "```bash",
-              "python -m kvlab.bench.lm_eval_compare --json reports/serving/lm_eval.json", "```", "",
+              "kvlab bench lm-eval --json reports/serving/lm_eval.json", "```", "",
               "A user's command for a server on port 8000, with the tasks written to `tasks/` "
               "(`kvlab.evals.lm_eval_tasks.write_tasks`):", "",
-              "```bash", lm_eval_command("http://127.0.0.1:8000", r["model"], "tasks"), "```", "", table(r), ""]
+              "```bash", lm_eval_command("http://127.0.0.1:8000", r["model"], "tasks"), "```", "", lm_eval_table(r), ""]
     return lines
+
+
+def lm_eval_table(result: dict) -> str:
+    """The servers' accuracies, then each pair's largest per-item differences (what `kvlab bench lm-eval` prints)."""
+    servers = [[name, f"{r['cloze_acc']:.3f}", f"{r['passkey_exact_match']:.3f}", f"{r['seconds']:.0f}"]
+               for name, r in result["servers"].items()]
+    pairs = [[pair, f"{c['max_abs_loglikelihood_diff']:.2e}", f"{c['mean_abs_loglikelihood_diff']:.2e}",
+              c["cloze_choices_differing"], c["passkey_answers_differing"]] for pair, c in result["pairs"].items()]
+    return "\n".join(table(["server", "cloze acc", "passkey exact match", "seconds"], servers, "lrrr") + [""]
+                     + table(["pair", "largest per-item log-likelihood difference (nats)", "mean",
+                              "cloze answers differing", "passkey answers differing"], pairs, "lrrrr"))
 
 
 def structured_lines(s: Optional[dict]) -> list[str]:
     lines = ["## Structured outputs", ""]
     if s is None:
         return lines + ["Not measured yet: `PIECES=structured scripts/serving_report.sh`.", ""]
-    lines += [f"`python -m kvlab.bench.structured --json reports/serving/structured.json`, at {provenance_text(s)}.",
+    lines += [f"`kvlab bench structured --json reports/serving/structured.json`, at {provenance_text(s)}.",
               ""]
     b = s.get("backends")
     if b:
         lines += [f"Grammar libraries on SmolLM2's {b['vocab']:,}-token vocabulary, {b['rows']} requests under one "
                   "JSON schema (compile: the tokenizer's index is built once per server and not counted; fill and "
                   f"apply: per step for {b['rows']} rows, averaged over {b['steps']} sampled steps):", "",
-                  "| library | compile | fill masks | apply masks |", "|---|---:|---:|---:|"]
+                  ]
+        rows = []
         for name in ("llguidance", "xgrammar"):
             r = b.get(name, {})
             if "skipped" in r or not r:
-                lines.append(f"| {name} | {r.get('skipped', 'not run')} | | |")
+                rows.append([name, r.get("skipped", "not run"), None, None])
             else:
-                lines.append(f"| {name} | {r['compile_s'] * 1e3:.1f} ms | {r['fill_s'] * 1e3:.2f} ms | "
-                             f"{r['apply_s'] * 1e3:.2f} ms |")
+                rows.append([name, f"{r['compile_s'] * 1e3:.1f} ms", f"{r['fill_s'] * 1e3:.2f} ms",
+                             f"{r['apply_s'] * 1e3:.2f} ms"])
+        lines += table(["library", "compile", "fill masks", "apply masks"], rows, "lrrr")
         lines += ["", "kvlab uses llguidance (its apply step here is kvlab's own numpy unpacking, as in the engine)."
                   + (f" This table: {provenance_text({'provenance': s['backends_provenance']})}; "
                      f"{s.get('backends_note', '')}." if "backends_provenance" in s else ""), ""]

@@ -1,18 +1,17 @@
 """reports/serving/README.md, written from the JSON files beside it and nothing else.
 
-    python -m kvlab.report.serving_report [reports/serving]
+    kvlab report serving [reports/serving]
 
 scripts/serving_report.sh measures every piece (each under the heavy lock) and then calls
 this; a piece whose JSON is missing is named as not measured. Every figure and ratio below
 is read from the JSON that `kvlab bench compare`, `kvlab bench decode`,
-kvlab.bench.prefix_ttft and kvlab.bench.reliability_figures wrote, so the words cannot drift
+`kvlab bench prefix-ttft` and `kvlab bench reliability` wrote, so the words cannot drift
 from the measurements.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -110,7 +109,7 @@ def prefix_lines(served: Optional[dict], engine: Optional[dict]) -> list[str]:
         lines.append("")
     if engine is not None:
         med = engine["median_ttft_after_first_s"]
-        lines += [f"Engine alone (kvlab.bench.prefix_ttft, requests one at a time, {engine['prefix_tokens']}-token "
+        lines += [f"Engine alone (`kvlab bench prefix-ttft`, requests one at a time, {engine['prefix_tokens']}-token "
                   f"prefix, {engine['suffix_tokens']}-token suffixes, median of requests 2..{engine['requests']}): "
                   f"{1000 * med['prefix_caching']:.0f} ms with prefix caching against "
                   f"{1000 * med['no_prefix_caching']:.0f} ms without, **{engine['speedup']:.1f}x** "
@@ -126,18 +125,18 @@ def reliability_lines(r: Optional[dict]) -> list[str]:
         return lines + ["Not measured yet: `PIECES=reliability scripts/serving_report.sh`.", ""]
     after = r["server_after"]
     return lines + [
-        f"kvlab.bench.reliability_figures: one `kvlab serve {r['model']}` process, a warm-up load, then "
+        f"`kvlab bench reliability`: one `kvlab serve {r['model']}` process, a warm-up load, then "
         f"{r['requests_sent']:,} streamed requests at concurrency {r['max_concurrency']} with random short lengths, "
         f"{100 * r['disconnect_fraction']:.0f}% of the clients hanging up mid-stream ({provenance_text(r)}). "
         "tests/reliability asserts the same in CI on stories260K.", "",
-        "| requests sent | completed | cancelled by the client | failed | lost | HTTP statuses | "
-        "running / waiting after | KV pool used after | RSS after warm-up | RSS after the load |",
-        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-        f"| {r['requests_sent']:,} | {r['completed']:,} | {r['cancelled']:,} | {r['failed']} | {r['lost']} | "
-        f"{', '.join(f'{k}: {v:,}' for k, v in r['status_counts'].items())} | "
-        f"{after['num_requests_running']:.0f} / {after['num_requests_waiting']:.0f} | "
-        f"{100 * after['kv_cache_usage_perc']:.1f}% | {r['rss_after_warmup_bytes'] / 2**20:.0f} MiB | "
-        f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB ({100 * r['rss_change_fraction']:+.1f}%) |", "",
+        *table(["requests sent", "completed", "cancelled by the client", "failed", "lost", "HTTP statuses",
+                "running / waiting after", "KV pool used after", "RSS after warm-up", "RSS after the load"],
+               [[f"{r['requests_sent']:,}", f"{r['completed']:,}", f"{r['cancelled']:,}", r["failed"], r["lost"],
+                 ", ".join(f"{k}: {v:,}" for k, v in r["status_counts"].items()),
+                 f"{after['num_requests_running']:.0f} / {after['num_requests_waiting']:.0f}",
+                 f"{100 * after['kv_cache_usage_perc']:.1f}%", f"{r['rss_after_warmup_bytes'] / 2**20:.0f} MiB",
+                 f"{r['rss_after_load_bytes'] / 2**20:.0f} MiB ({100 * r['rss_change_fraction']:+.1f}%)"]],
+               "rrrrrlrrrr"), "",
         f"The server generated {r['generation_tokens_during_load']:,.0f} tokens during the load; the clients counted "
         f"{r['client_counted_output_tokens']:,} in completed requests (the difference went to clients that hung up). "
         f"Output throughput {r['output_throughput']:.0f} tok/s, p99 end-to-end latency {r['p99_e2el_ms']:.0f} ms.", ""]
@@ -146,9 +145,9 @@ def reliability_lines(r: Optional[dict]) -> list[str]:
 def interop_lines(r: Optional[dict]) -> list[str]:
     lines = ["## vLLM's own client against kvlab serve", ""]
     if r is None:
-        return lines + ["Not measured yet: `python -m kvlab.bench.vllm_interop --json "
+        return lines + ["Not measured yet: `kvlab bench vllm-interop --json "
                         "reports/serving/vllm_interop.json` (needs the vLLM venv).", ""]
-    lines += [f"`python -m kvlab.bench.vllm_interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
+    lines += [f"`kvlab bench vllm-interop`: vLLM's `vllm bench serve` (from the venv) and `kvlab bench "
               f"serve` on the same workload and seed against one `kvlab serve {r['model']}`, {r['num_prompts']} "
               f"requests of {r['output_len']} tokens at each concurrency ({provenance_text(r)}). Served one at a time, every "
               "ratio is judged; under load only output tok/s is, and the TTFT/TPOT ratios (in parentheses) show how "
@@ -208,7 +207,7 @@ def decode_lines(d: Optional[dict]) -> list[str]:
 
 def render(folder: Path) -> str:
     lines = ["# Serving: kvlab against llama.cpp's, transformers' and vLLM's servers (SmolLM2-135M-Instruct)", "",
-             "<!-- Written by `python -m kvlab.report.serving_report` from the JSON files here. -->", "",
+             "<!-- Written by `kvlab report serving` from the JSON files here. -->", "",
              "Regenerate everything (each piece under `flock /tmp/kvlab-heavy.lock`; `PIECES=\"kv spec\"` runs "
              "some). The 1,024-token sweep prefills about 57,000 prompt tokens per server and is by far the longest "
              "piece; vLLM compiles for 2.5-6 minutes each time it starts:", "", "```bash",
@@ -286,17 +285,6 @@ def render(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m kvlab.report.serving_report",
-                                     description="Write reports/serving/README.md from the JSON files there.")
-    parser.add_argument("folder", nargs="?", default="reports/serving", help="the report folder (reports/serving)")
-    folder = Path(parser.parse_args(argv).folder)
-    text = render(folder)
-    write_atomic(folder / "README.md", text)
-    print(f"wrote {folder / 'README.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def write(folder: Path) -> Path:
+    """README.md in `folder`, rendered from the JSON there and written atomically."""
+    return write_atomic(folder / "README.md", render(folder))

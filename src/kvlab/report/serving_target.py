@@ -109,7 +109,7 @@ def bound_lines(costs: Optional[dict], seats: Optional[dict]) -> list[str]:
             if seats_of not in served or run["output_throughput"] > served[seats_of][1]["output_throughput"]:
                 served[seats_of] = (p["name"], run)
     per_token = costs["prefill_ms_per_token"]
-    lines += [f"`python -m kvlab.bench.serving_bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C "
+    lines += [f"`kvlab bench serving-bound --weights {costs.get('weights', 'gguf-a8')}` times kvlab's C "
               f"step on the engine's own pool for the target's workload ({costs['requests']} prompts of "
               f"{costs['input_len']} tokens, {costs['output_len']} out), measured at {provenance_text(costs)}: prefill "
               f"{per_token[str(costs['requests'])]:.3f} ms per prompt token with all {costs['requests']} prompts in "

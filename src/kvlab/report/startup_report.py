@@ -1,6 +1,6 @@
 """reports/startup/README.md, written from kvlab.bench.startup's JSON files and nothing else.
 
-    python -m kvlab.report.startup_report [reports/startup]
+    kvlab report startup [reports/startup]
 
 Every *.json in the folder is one run of the benchmark (trees compared, medians, samples,
 provenance); the page lists each as a table, so no figure is typed by hand. Hand-written
@@ -10,7 +10,6 @@ remarks live in notes.md beside them and are appended as they are.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from kvlab.files import write_atomic
@@ -50,14 +49,14 @@ def _section(name: str, result: dict) -> list[str]:
 
 def render(folder: Path) -> str:
     lines = ["# Cold start-up: plan, engine, serve (SmolLM2-135M-Instruct, Q4_1 GGUF)", "",
-             "<!-- Written by `python -m kvlab.report.startup_report` from the JSON files here; edit notes.md. -->", "",
+             "<!-- Written by `kvlab report startup` from the JSON files here; edit notes.md. -->", "",
              "Regenerate (a few minutes; the second run measures with bytecode cached, as an install has it):", "",
              "```bash",
-             "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.startup --tree main=/work/main/src --tree branch=src \\",
+             "flock /tmp/kvlab-heavy.lock kvlab bench startup --tree main=/work/main/src --tree branch=src \\",
              "    --runs 5 --json-out reports/startup/startup.json",
-             "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.startup --tree main=/work/main/src --tree branch=src \\",
+             "flock /tmp/kvlab-heavy.lock kvlab bench startup --tree main=/work/main/src --tree branch=src \\",
              "    --runs 5 --pycache /tmp/kvlab-pycache --json-out reports/startup/startup_bytecode.json",
-             "python -m kvlab.report.startup_report reports/startup",
+             "kvlab report startup reports/startup",
              "```", "",
              "Each figure is a fresh process (Python and torch start from nothing; the GGUF is in the OS "
              "page cache); the trees take turns within every round, so ratios come from one run.", ""]
@@ -69,12 +68,6 @@ def render(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    folder = Path(argv[0] if argv else "reports/startup")
-    write_atomic(folder / "README.md", render(folder))
-    print(f"wrote {folder / 'README.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def write(folder: Path) -> Path:
+    """README.md in `folder`, rendered from the JSON there and written atomically."""
+    return write_atomic(folder / "README.md", render(folder))

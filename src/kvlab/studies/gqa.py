@@ -237,9 +237,10 @@ class GqaStudy:
     def finish(self, results: dict) -> None:
         write_json(self.out / "results.json", results)
         if self.options.report:
+            from kvlab.nn.config import plan_spec
             from kvlab.report.gqa_report import write_report
 
-            write_report(results, self.out)
+            write_report(results, self.out, plan_spec)
         invocations = read_json(self.work / "invocations.json") or []
         invocations.append({"started": results["provenance"]["started"], "seconds": time.time() - self.started,
                             "load_average_start": self.load_start, "load_average_end": load_average(),

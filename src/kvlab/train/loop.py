@@ -4,7 +4,7 @@ a progress bar, and checkpoints that a killed run resumes from.
 Everything a step depends on is either in the checkpoint (weights, AdamW moments, step,
 history) or a pure function of the step (learning rate, batch), so resuming from step k
 gives the same weights as never stopping. Checkpoints are written to a temporary file in
-the same folder and renamed over the old one (`os.replace` is atomic): a kill mid-write
+the same folder and renamed over the old one (kvlab.files.write_atomic): a kill mid-write
 leaves the previous checkpoint intact.
 """
 

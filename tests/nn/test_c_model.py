@@ -133,8 +133,8 @@ def test_generate_uses_the_c_step_and_agrees_with_the_module_path():
     prompts = torch.tensor([[1, 2, 3], [9, 8, 7]])
     stats_fused, stats_modules = {}, {}
     fused = generate(model, prompts, 24, stats=stats_fused)
-    modules = generate(model, prompts, 24, stats=stats_modules, fused=False)
-    assert stats_fused["fused_decode"] and not stats_modules["fused_decode"]
+    modules = generate(model, prompts, 24, stats=stats_modules, paged_step=False)
+    assert stats_fused["paged_step"] and not stats_modules["paged_step"]
     assert torch.equal(fused, modules)
 
 

@@ -20,14 +20,13 @@ outside the calibrated channel ranges and how many the outlier pool keeps (`pass
 the ranges are the calibration text's, and a prompt unlike it overflows the pool.
 Writes reports/real-models/kvquant_split.json:
 
-    flock /tmp/kvlab-heavy.lock python -m kvlab.report.kvquant_split
+    flock /tmp/kvlab-heavy.lock kvlab bench kvquant-split
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -111,7 +110,7 @@ def split_rows(model, windows: list[list[int]], calibration, dtype: str, fp16_pe
     """The KVQuant cache's perplexity whole and with each half exact, and its key-outlier counts."""
     from kvlab.evals.perplexity import perplexity
     from kvlab.evals.setting import KVSetting, new_cache
-    from kvlab.report.real_models_study import CHUNK
+    from kvlab.bench.real_models_study import CHUNK
 
     quant = KVSetting(dtype)
     runs = {"": lambda n: new_cache(model, quant, n, calibration),
@@ -131,20 +130,17 @@ def split_rows(model, windows: list[list[int]], calibration, dtype: str, fp16_pe
     return rows, pool
 
 
-def main(argv=None) -> int:
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench kvquant-split`: the split, the oracle calibration's bound and the passkey counts, to --out."""
     from kvlab.bench.provenance import provenance
     from kvlab.cache.kvquant_calibration import load_calibration
     from kvlab.checkpoints.resolve import load_model
     from kvlab.evals.perplexity import perplexity, text_windows
     from kvlab.evals.setting import KVSetting, build_model, new_cache
-    from kvlab.report import real_models as report
-    from kvlab.report.real_models_study import CHUNK, CONTEXT, EVAL_TEXT, OFFSET, WINDOWS
+    from kvlab.bench import real_models as report
+    from kvlab.bench.real_models_study import CHUNK, CONTEXT, EVAL_TEXT, OFFSET, WINDOWS
 
-    parser = argparse.ArgumentParser(prog="python -m kvlab.report.kvquant_split", description=__doc__.split("\n")[0])
-    parser.add_argument("--kv-cache-dtype", default="kvquant3", choices=["kvquant3", "kvquant4"])
-    parser.add_argument("--out", type=Path, default=report.OUT / "kvquant_split.json")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (2)")
-    args = parser.parse_args(argv)
+    out = args.out or report.OUT / "kvquant_split.json"
     torch.set_num_threads(args.threads)
     loaded = load_model(report.MODEL, torch.float32, "dense")
     model = build_model(loaded, KVSetting())
@@ -171,10 +167,6 @@ def main(argv=None) -> int:
            "offset": OFFSET, "calibration": report.SMOLLM2.calibration, "rows": {**rows, **calibrated, **bound},
            "key_outliers": pool, "key_outliers_oracle": oracle_pool, "passkey_key_outliers": passkey,
            "provenance": provenance(args.threads)}
-    write_json(args.out, doc, indent=1)
-    print(f"wrote {args.out}")
+    write_json(out, doc, indent=1)
+    print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """reports/conversions: the steps' order, the cells a server cannot fill say why, and the README renders from
-results.json alone (a synthetic one here; the real run is `python -m kvlab.report.conversions`)."""
+results.json alone (a synthetic one here; the real run is `kvlab bench conversions`)."""
 
 import json
 
@@ -9,8 +9,8 @@ from kvlab.checkpoints.hf import save_hf
 from kvlab.checkpoints.mla_aware import convert_to_mla_aware
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
-from kvlab.report import conversions, conversions_speed
-from kvlab.report.conversions_render import render
+from kvlab.bench import conversions, conversions_speed
+from kvlab.report.conversions import render
 
 
 def test_steps_convert_then_measure_then_train_then_serve():

@@ -1,6 +1,6 @@
 """The real-models report's uptrained row: convert once, uptrain in slices, keep each slice's report."""
 
-from kvlab.report import real_models_uptrain as uptrain
+from kvlab.bench import real_models_uptrain as uptrain
 from needs import SHAKESPEARE, STORIES, require_file
 
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Sequence
 
-from kvlab.report.conversions import KV_SPACE_GIB
+from kvlab.bench.conversions import KV_SPACE_GIB
 
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms", "output_throughput", "completed", "failed")
 

@@ -1,6 +1,6 @@
 """The reliability figures for reports/serving: a real `kvlab serve` under 1,000 streamed requests with hang-ups.
 
-    python -m kvlab.bench.reliability_figures [--model smollm2-135m] [--requests 1000] [--json PATH]
+    kvlab bench reliability [--model smollm2-135m] [--requests 1000] [--json PATH]
 
 What tests/reliability/test_load.py asserts, measured and written down: `--requests` random
 short requests at concurrency 32, a tenth of the clients hanging up mid-stream, against one
@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import os
 import re
-import sys
 import time
 
 import httpx
@@ -92,18 +91,10 @@ def measure(model: str, requests: int, concurrency: int, disconnect: float, thre
             "provenance": provenance(threads)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.bench.reliability_figures",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--max-concurrency", type=int, default=32)
-    parser.add_argument("--disconnect-fraction", type=float, default=0.1)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH")
-    args = parser.parse_args(argv)
-    r = measure(args.model, args.requests, args.max_concurrency, args.disconnect_fraction, args.threads, args.seed)
+def run_command(args: argparse.Namespace) -> int:
+    """`kvlab bench reliability`: measure, print the figures, write --json."""
+    threads = args.threads or os.cpu_count() or 1
+    r = measure(args.model, args.requests, args.max_concurrency, args.disconnect_fraction, threads, args.seed)
     print(f"{r['requests_sent']} requests at concurrency {r['max_concurrency']}: {r['completed']} completed, "
           f"{r['cancelled']} cancelled by the client, {r['failed']} failed, {r['lost']} lost; statuses "
           f"{r['status_counts']}; afterwards {r['server_after']}; RSS {r['rss_after_warmup_bytes'] / 2**20:.0f} -> "
@@ -112,7 +103,3 @@ def main(argv: list[str] | None = None) -> int:
         from kvlab.files import write_json
         write_json(args.json, r)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The real-models report's throughput column: kvlab's engine decoding 16 concurrent requests per KV setting.
+"""The real-models report's throughput column, measured: kvlab's engine decoding 16 concurrent requests per KV setting.
 
 The quality columns say what a cache format costs; this one says what it buys or costs in
 speed on this machine, through the engine a user would serve it with (the GGUF model, the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from kvlab.evals.setting import KVSetting
 from kvlab.files import write_json
@@ -69,12 +68,3 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     doc["rows"][setting.label] = figures
     write_json(out / FILE, doc, indent=1)
     return figures
-
-
-def cell(row: Optional[dict]) -> Optional[str]:
-    """The table's cell for one setting's run (a row of engine_throughput.json, None when not measured):
-    output tok/s and, where it was not the C step, the path."""
-    if row is None:
-        return None
-    path = "" if row["decode_path"] == "fused C step" else f" ({row['decode_path']})"
-    return f"{row['output_tokens_per_s']:.1f}{path}"

@@ -4,7 +4,7 @@ import json
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.evals.setting import KVSetting
-from kvlab.report import real_models_throughput as throughput
+from kvlab.bench import real_models_throughput as throughput
 from needs import STORIES, require_file
 
 
@@ -28,6 +28,6 @@ def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     stored = json.loads((tmp_path / throughput.FILE).read_text())
     assert stored["workload"]["input_len"] == throughput.INPUT_LEN and "fp16" in stored["rows"]
     assert throughput.pending(tmp_path, settings) == []
-    cell = throughput.cell(throughput.load(tmp_path)["rows"]["fp16"])
-    assert cell.startswith(f"{figures['output_tokens_per_s']:.1f}")
-    assert throughput.cell(throughput.load(tmp_path)["rows"].get("kvquant3")) is None
+    from kvlab.report.real_models import cell
+    assert cell(throughput.load(tmp_path)["rows"]["fp16"]).startswith(f"{figures['output_tokens_per_s']:.1f}")
+    assert cell(throughput.load(tmp_path)["rows"].get("kvquant3")) is None

@@ -1,6 +1,7 @@
-"""The speculative report's contrasts are computed from the runs, on matched pairs only."""
+"""The speculative report's contrasts are computed from the runs, on matched pairs only; the committed report
+renders byte for byte from its results.json."""
 
-from kvlab.bench.speculative_report import contrasts
+from kvlab.report.speculative import contrasts
 
 
 def cell(workload, batch, temperature, runs):
@@ -19,7 +20,7 @@ def test_contrasts_average_matched_runs_and_ignore_unmatched():
 
 
 def test_cost_model_holds_each_run_against_the_measured_costs():
-    from kvlab.bench.speculative_report import cost_model
+    from kvlab.report.speculative import cost_model
 
     costs = {"context": 300, "repetitions": 7, "plain_step_ms": 10.0, "step_ms": {},
              "verify_cost": {"1": 1.0, "2": 1.2, "3": 1.4, "4": 1.6, "5": 1.8}, "draft_cost": {"draft-xs": 0.2}}

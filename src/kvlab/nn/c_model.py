@@ -94,7 +94,7 @@ def why_not_model(model: Decoder) -> Optional[str]:
     if config.attention != "gqa" or config.mlp not in ACTIVATIONS or config.norm != "rmsnorm" or config.bias:
         return ("only bias-free Llama-family models (Llama, Gemma: RMSNorm, SwiGLU or GeGLU, grouped-query "
                 "attention) run in C")
-    if len({window for window in config.windows}) > MAX_LAYOUTS:
+    if len({window for window in config.sliding_windows}) > MAX_LAYOUTS:
         return f"the C step runs at most {MAX_LAYOUTS} distinct attention windows"
     if model.dtype != torch.float32:
         return "the fused step computes in fp32"

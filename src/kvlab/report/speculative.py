@@ -1,24 +1,41 @@
 """reports/speculative/README.md from the benchmark's JSON: every figure in it comes from results.json.
 
-Written by `python3 -m kvlab.bench.speculative` at the end of its run; `python3 -m
-kvlab.bench.speculative_report reports/speculative` rewrites the README from an existing JSON.
+Written by `kvlab bench speculative` after every cell of its run; `kvlab report speculative`
+rewrites the README from an existing results.json. The drafts' KV bytes per token are kvlab.plan's
+arithmetic on their recorded shapes.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
+from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
+from kvlab.plan.loaders import explicit_model
+from kvlab.report.markdown import table
+
 TARGET_SPEEDUP = 1.5
-COMMAND = "flock /tmp/kvlab-heavy.lock python3 -m kvlab.bench.speculative --out reports/speculative"
+COMMAND = "flock /tmp/kvlab-heavy.lock kvlab bench speculative --out reports/speculative"
 
 
 def _kv_bytes_per_token(config: dict) -> int:
-    from kvlab.nn.config import ModelConfig
-    from kvlab.plan.capacity import cache_formats, kv_bytes_per_sequence
-    spec = ModelConfig(**config).to_plan_spec()
+    """fp16 KV bytes per token of a kvlab model config (a dense GQA decoder: the drafts and SmolLM2)."""
+    if config.get("attention", "gqa") != "gqa" or config.get("layer_types"):
+        raise ValueError("the speculative report counts KV bytes of full-attention GQA models only")
+    spec = explicit_model(config["n_layers"], config["n_heads"], config.get("n_kv_heads") or config["n_heads"],
+                          config.get("head_dim") or config["dim"] // config["n_heads"])
     return kv_bytes_per_sequence(spec, 1, cache_formats("fp16", model_dtype="fp32"))
+
+
+# what the benchmarks were once run as: a recorded command is shown as the sub-command that runs it today
+RENAMED = {"python3 -m kvlab.bench.speculative": "kvlab bench speculative", "python3 -m kvlab.bench.eagle": "kvlab bench eagle"}
+
+
+def current_command(recorded: str) -> str:
+    """The command a reader types today for the `recorded` one (results.json keeps what was run)."""
+    for old, new in RENAMED.items():
+        if recorded.startswith(old + " ") or recorded == old:
+            return new + recorded[len(old):]
+    return recorded
 
 
 def best(runs: list[dict]) -> dict:
@@ -34,7 +51,7 @@ def render(result: dict) -> str:
     prov = result["provenance"]
     lines = ["# Speculative decoding on SmolLM2-135M", "",
              "Regenerate with this command (the command that wrote this page; the trained drafts must exist, see below):", "",
-             "```bash", "flock /tmp/kvlab-heavy.lock " + result.get("command", COMMAND.split("lock ", 1)[1]), "```", "",
+             "```bash", "flock /tmp/kvlab-heavy.lock " + current_command(result.get("command", COMMAND.split("lock ", 1)[1])), "```", "",
              f"Measured at commit `{prov.get('git_commit')}` on {prov['machine']['cpu']} "
              f"({prov['machine']['torch_threads']} threads), {prov['time_utc']}. Each request asks for "
              f"{result['max_tokens']} new tokens (EOS ignored); batch 1 runs {result['prompts_batch1']} requests one "
@@ -68,15 +85,17 @@ def render(result: dict) -> str:
                   "cosine schedule had not reached its last step when these weights were saved.", "",
                   "`kvlab draft train` (DistillSpec-style: SmolLM2's own answers, its top-20 log-probabilities, "
                   "forward KL), MQA with one 64-channel KV head, tied embeddings initialised from SmolLM2's by SVD.", "",
-                  "| draft | status | params | KV B/token (fp16) | steps | tokens | train s | val KL | val 1-TV | val greedy agreement |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  ]
+        rows = []
         for size, info in result["drafts"].items():
             v = info.get("validation") or {}
             kv = _kv_bytes_per_token(info["model_config"]) if info.get("model_config") else "?"
-            lines.append(f"| {size} | {info.get('status')} | {info.get('params', 0) / 1e6:.1f}M | {kv} | "
-                         f"{info.get('step')}/{info.get('steps')} | "
-                         f"{info.get('tokens', 0):,} | {info.get('train_seconds')} | {v.get('kl', 0):.3f} | "
-                         f"{v.get('acceptance_t1', 0):.3f} | {v.get('agree', 0):.3f} |")
+            rows.append([size, info.get("status"), f"{info.get('params', 0) / 1e6:.1f}M", kv,
+                         f"{info.get('step')}/{info.get('steps')}", f"{info.get('tokens', 0):,}",
+                         info.get("train_seconds"), f"{v.get('kl', 0):.3f}", f"{v.get('acceptance_t1', 0):.3f}",
+                         f"{v.get('agree', 0):.3f}"])
+        lines += table(["draft", "status", "params", "KV B/token (fp16)", "steps", "tokens", "train s", "val KL",
+                        "val 1-TV", "val greedy agreement"], rows)
         lines += ["", "Trained with:", "", "```bash"] + [
             str(info.get("command")) for info in result["drafts"].values()] + ["```"]
         lines += ["", "SmolLM2-135M's own KV is "
@@ -88,16 +107,13 @@ def render(result: dict) -> str:
     for cell in cells:
         lines += [f"### {cell_name(cell)}", "",
                   f"Without speculation: {cell['baseline_tok_s']:.1f} tok/s "
-                  f"(runs: {', '.join(f'{x:.1f}' for x in cell['baseline_runs_tok_s'])}).", "",
-                  "| method | k | acceptance rate | mean acceptance length | tok/s | speed-up |"
-                  + (" greedy identical |" if cell["temperature"] == 0 else ""),
-                  "|---|---|---|---|---|---|" + ("---|" if cell["temperature"] == 0 else "")]
-        for r in cell["runs"]:
-            row = (f"| {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | {r['mean_acceptance_length']:.2f} | "
-                   f"{r['tok_s']:.1f} | {r['speedup']:.2f}x |")
-            if cell["temperature"] == 0:
-                row += f" {'yes' if r.get('greedy_identical') else 'NO'} |"
-            lines.append(row)
+                  f"(runs: {', '.join(f'{x:.1f}' for x in cell['baseline_runs_tok_s'])}).", ""]
+        greedy = cell["temperature"] == 0  # greedy runs also say whether the output is the plain one
+        rows = [[r["method"], r["k"], f"{r['acceptance_rate']:.3f}", f"{r['mean_acceptance_length']:.2f}",
+                 f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x"] + (["yes" if r.get("greedy_identical") else "NO"]
+                                                                  if greedy else []) for r in cell["runs"]]
+        lines += table(["method", "k", "acceptance rate", "mean acceptance length", "tok/s", "speed-up"]
+                       + (["greedy identical"] if greedy else []), rows)
         lines.append("")
     lines += ["## Where speculation stops paying", ""] + findings(cells)
     return "\n".join(lines) + "\n"
@@ -120,11 +136,9 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
              f"{costs['repetitions']} interleaved repetitions; the figures used are the mean): a plain batch-1 step "
              f"of the target takes {costs['plain_step_ms']:.2f} ms. Verifying n tokens (the last one and n - 1 "
              "drafts) in one step costs, in plain steps:", "",
-             "| n | " + " | ".join(verify) + " |", "|---|" + "---|" * len(verify),
-             "| cost | " + " | ".join(f"{v:.2f}" for v in verify.values()) + " |"]
-    if len(runs) > 1:
-        lines += [f"| {label} | " + " | ".join(f"{run['verify_cost'][n]:.2f}" for n in verify) + " |"
-                  for label, run in zip(("before", "after"), runs)]
+             *table(["n", *verify], [["cost", *(f"{v:.2f}" for v in verify.values())]]
+                    + ([[label, *(f"{run['verify_cost'][n]:.2f}" for n in verify)]
+                        for label, run in zip(("before", "after"), runs)] if len(runs) > 1 else []))]
     lines.append("")
     if costs["draft_cost"]:
         lines += ["One proposer round, per drafted token, in plain steps: "
@@ -138,9 +152,8 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
               "match; the other steps are plain (cost 1, one token), so over a whole answer the prediction is T / "
               "(T - D L + D cost) for T decoded tokens and D drafting steps, which is what the measured speed-up "
               "should be near. In greedy chat decode at batch 1:", "",
-              "| method | k | step cost | L measured | drafting steps pay | tokens from drafting steps | predicted "
-              f"| measured speed-up | L needed for {TARGET_SPEEDUP}x | paper's a needed |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              ]
+    rows = []
     for run in cell["runs"]:
         if str(run["k"] + 1) not in verify or (run["method"] not in costs["draft_cost"]
                                                and not run["method"].startswith("ngram")):
@@ -151,12 +164,14 @@ def cost_model(costs: dict, cell: dict) -> list[str]:
         needed = TARGET_SPEEDUP * cost
         rate = acceptance_needed(TARGET_SPEEDUP, run["k"], costs["draft_cost"].get(run["method"], 0.0),
                                  verify[str(run["k"] + 1)])
-        lines.append(f"| {run['method']} | {run['k']} | {cost:.2f} | {length:.2f} | {length / cost:.2f}x | "
-                     f"{drafted / tokens:.0%} | {tokens / (tokens - drafted + drafts * cost):.2f}x | "
-                     f"{run['speedup']:.2f}x | "
-                     + (f"{needed:.2f} |" if needed <= run["k"] + 1 else f"{needed:.2f} (over k + 1: out of reach) |")
-                     + (f" {rate:.2f} |" if rate is not None else " - |"))
-    return lines + [""]
+        rows.append([run["method"], run["k"], f"{cost:.2f}", f"{length:.2f}", f"{length / cost:.2f}x",
+                     f"{drafted / tokens:.0%}", f"{tokens / (tokens - drafted + drafts * cost):.2f}x",
+                     f"{run['speedup']:.2f}x",
+                     f"{needed:.2f}" if needed <= run["k"] + 1 else f"{needed:.2f} (over k + 1: out of reach)",
+                     "-" if rate is None else f"{rate:.2f}"])
+    return lines + table(["method", "k", "step cost", "L measured", "drafting steps pay", "tokens from drafting steps",
+                          "predicted", "measured speed-up", f"L needed for {TARGET_SPEEDUP}x", "paper's a needed"],
+                         rows) + [""]
 
 
 SMOLLM2 = {"vocab_size": 49152, "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "head_dim": 64,
@@ -166,13 +181,15 @@ SMOLLM2 = {"vocab_size": 49152, "dim": 576, "n_layers": 30, "n_heads": 9, "n_kv_
 def findings(cells: list[dict]) -> list[str]:
     """Sentences computed from the figures: best per cell, and the cells where nothing pays."""
     out = ["Best speed-up per cell (method, k, acceptance rate):", "",
-           "| workload | batch | temperature | best | speed-up | acceptance rate |", "|---|---|---|---|---|---|"]
+           ]
+    rows = []
     for cell in cells:
         if not cell["runs"]:
             continue
         top = best(cell["runs"])
-        out.append(f"| {cell['workload']} | {cell['batch']} | {cell['temperature']:g} | {top['method']} k={top['k']} | "
-                   f"{top['speedup']:.2f}x | {top['acceptance_rate']:.3f} |")
+        rows.append([cell["workload"], cell["batch"], f"{cell['temperature']:g}", f"{top['method']} k={top['k']}",
+                     f"{top['speedup']:.2f}x", f"{top['acceptance_rate']:.3f}"])
+    out += table(["workload", "batch", "temperature", "best", "speed-up", "acceptance rate"], rows)
     losing = [cell_name(c) for c in cells if c["runs"] and best(c["runs"])["speedup"] < 1.0]
     out += ["", ("Cells where no method beats plain decoding: " + "; ".join(losing) + ".") if losing
             else "Some method beats plain decoding in every cell.", ""]
@@ -221,21 +238,8 @@ def contrasts(cells: list[dict]) -> list[str]:
 
 
 def write_report(result: dict, out: Path) -> None:
-    from kvlab.files import write_json
+    """results.json (the run so far) and README.md from it, each written atomically."""
+    from kvlab.files import write_atomic, write_json
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", result)
-    tmp = out / "README.md.tmp"
-    tmp.write_text(render(result))
-    tmp.replace(out / "README.md")
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "reports/speculative")
-    write_report(json.loads((out / "results.json").read_text()), out)
-    print(f"wrote {out}/README.md")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    write_atomic(out / "README.md", render(result))

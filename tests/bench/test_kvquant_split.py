@@ -5,7 +5,7 @@ import torch
 
 from kvlab.cache.kvquant import make_kvquant_cache
 from kvlab.cache.kvquant_calibration import KVQuantCalibration, fit_layer
-from kvlab.report.kvquant_split import key_outliers, with_exact
+from kvlab.bench.kvquant_split import key_outliers, with_exact
 
 HEADS, DIM = 2, 16
 
@@ -47,7 +47,7 @@ def test_oracle_calibration_fits_the_evaluated_tokens_and_split_rows_labels_each
     from needs import SHAKESPEARE, STORIES, require_file
 
     from kvlab.checkpoints.resolve import load_model
-    from kvlab.report.kvquant_split import oracle_calibration, split_rows
+    from kvlab.bench.kvquant_split import oracle_calibration, split_rows
 
     require_file(STORIES, "stories260K")
     require_file(SHAKESPEARE, "tinyshakespeare")
@@ -78,7 +78,7 @@ def test_passkey_key_outliers_counts_the_prompt_and_its_key_tokens() -> None:
 
     from kvlab.checkpoints.resolve import load_model
     from kvlab.evals.calibrate import calibrate
-    from kvlab.report.kvquant_split import passkey_key_outliers
+    from kvlab.bench.kvquant_split import passkey_key_outliers
 
     require_file(STORIES, "stories260K")
     loaded = load_model(str(STORIES), torch.float32, "dense")
