@@ -109,3 +109,9 @@ def test_fleet_with_a_head_keeps_the_targets_pool_and_prices_its_rounds(tmp_path
     per_round = planned["cost_ratio"] * planned["draft_passes"] / planned["num_speculative_tokens"]
     assert cost["kind"] == "scaled" and cost["ratio"] == pytest.approx(per_round, rel=1e-12)
     assert data["replica"]["speculative"]["acceptance_rate"] == 0.3116
+
+
+def test_a_draft_without_a_memory_budget_is_said_not_dropped(tmp_path, capsys):
+    head = head_dir(tmp_path, "medusa")
+    assert main(["plan", "smollm2-135m", "--draft", head]) == 0
+    assert "--draft is planned within a memory budget" in capsys.readouterr().err

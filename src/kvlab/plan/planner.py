@@ -199,6 +199,11 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         result["kv_fixed_bytes"] = fixed
     budget = _cache_budget(spec, request, weights_per_rank, result)
     if budget is None:
+        if request.draft is not None:  # said, not dropped: the draft's share and speed-up are planned in a budget
+            warning = ("--draft is planned within a memory budget: add --kv-cache-memory SIZE or --gpu CARD to see "
+                       "the draft's share and speed-up")
+            if warning not in request.warnings:
+                request.warnings.append(warning)  # result["warnings"] is this list
         return result
     result["cache_budget_bytes"] = budget
     usable = max(budget - fixed, 0)
