@@ -21,6 +21,8 @@ REPORTS = {
     "speculative": ("reports/speculative", "README.md from results.json"),
     "eagle": ("reports/speculative/eagle", "README.md from results.json"),
     "vllm-conversions": ("reports/real-models/conversions.json", "the .md beside the JSON"),
+    "mla-convert": ("reports/mla-convert", "README.md from every MODEL.json there"),
+    "fleet": ("reports/fleet", "README.md from its JSON files and notes.md"),
 }
 
 
@@ -58,6 +60,9 @@ def render(report: str, path: Path) -> Path:
         from kvlab.report import decode_speed_report, serving_report, startup_report
         module = {"serving": serving_report, "startup": startup_report, "decode-speed": decode_speed_report}[report]
         return module.write(path)
+    if report in ("mla-convert", "fleet"):
+        from kvlab.report import fleet, mla_convert
+        return (mla_convert if report == "mla-convert" else fleet).write(path)
     if report in ("speculative", "eagle"):
         from kvlab.report import eagle, speculative
         page = (speculative if report == "speculative" else eagle).render(_json(path / "results.json"))

@@ -1,17 +1,17 @@
 """Validate `kvlab fleet` against the real engine here: `kvlab bench serve` on `kvlab serve` versus the simulator.
 
-For each workload (low, medium, saturating load of SmolLM2-135M) a fresh `kvlab serve` is started
-with the calibration's engine settings, `kvlab bench serve` sends vLLM's random dataset at the
-given Poisson rate and seed, and the simulator runs the same requests: the same arrival offsets
-(kvlab.fleet.workload.arrival_times is the bench's arrival process), the prompt lengths the
-server counted (its usage, BOS included) and the asked output lengths (--ignore-eos), on the
-engine's own Scheduler with the calibrated step cost. Writes reports/fleet/validation.json.
-Run it alone (it measures): flock /tmp/kvlab-heavy.lock python3 scripts/fleet_validate.py
+`kvlab bench fleet-validate`: for each workload (low, medium, saturating load of SmolLM2-135M) a
+fresh `kvlab serve` is started with the calibration's engine settings, `kvlab bench serve` sends
+vLLM's random dataset at the given Poisson rate and seed, and the simulator runs the same
+requests: the same arrival offsets (kvlab.fleet.workload.arrival_times is the bench's arrival
+process), the prompt lengths the server counted (its usage, BOS included) and the asked output
+lengths (--ignore-eos), on the engine's own Scheduler with the calibrated step cost. The result
+(reports/fleet/validation.json) is rendered by kvlab.report.fleet.
+Run it alone (it measures): flock /tmp/kvlab-heavy.lock kvlab bench fleet-validate
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -23,20 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
+from kvlab.bench.serve_data import random_requests
+from kvlab.errors import KvlabEnvironmentError
+from kvlab.fleet.fleet import simulate
+from kvlab.fleet.results import summarise
+from kvlab.fleet.service import ReplicaSpec, load_calibration
+from kvlab.fleet.workload import Requests, arrival_times
 
-from kvlab.bench.provenance import provenance  # noqa: E402
-from kvlab.files import write_json  # noqa: E402
-from kvlab.bench.serve_data import random_requests  # noqa: E402
-from kvlab.fleet.fleet import simulate  # noqa: E402
-from kvlab.fleet.results import summarise  # noqa: E402
-from kvlab.fleet.service import ReplicaSpec, load_calibration  # noqa: E402
-from kvlab.fleet.workload import Requests, arrival_times  # noqa: E402
+SRC = str(Path(__file__).resolve().parents[2])  # the kvlab the child processes import: this one
 
-import numpy as np  # noqa: E402
+
+def child_env() -> dict:
+    """The environment of the `kvlab` child processes: this kvlab first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ.get("PYTHONPATH")]))}
+
 
 INPUT_LEN, OUTPUT_LEN, RANGE = 128, 64, 0.5
 
@@ -79,18 +82,18 @@ def serve(model: str, engine: dict, port: int) -> subprocess.Popen:
             "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
             "--block-size", str(engine["block_size"])]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                            env=child_env())
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"kvlab serve exited {proc.returncode}")
+            raise KvlabEnvironmentError(f"kvlab serve exited {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             time.sleep(0.3)
     proc.kill()
-    raise SystemExit("kvlab serve did not start within 120 s")
+    raise KvlabEnvironmentError("kvlab serve did not start within 120 s")
 
 
 def warm_up(model: str, port: int) -> None:
@@ -108,7 +111,7 @@ def bench(model: str, port: int, rate: float, n: int, seed: int, path: str) -> d
             str(OUTPUT_LEN), "--range-ratio", str(RANGE), "--ignore-eos", "--request-rate", str(rate),
             "--num-prompts", str(n), "--seed", str(seed), "--metric-percentiles", "50,95,99",
             "--save-result", "--save-detailed", "--result-file", path, "--disable-tqdm", "--tokenizer", model]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=child_env())
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return data["results"][0] if "results" in data else data
@@ -162,30 +165,26 @@ def engine_only(model: str, engine: dict, reqs: Requests) -> dict:
             **{f"p{q}_ttft_ms": pct(ttft, q) for q in (50, 95)}, **{f"p{q}_tpot_ms": pct(tpot, q) for q in (50, 95)}}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--calibration", default=str(ROOT / "reports/fleet/calibration-smollm2.json"))
-    parser.add_argument("--out", default=str(ROOT / "reports/fleet/validation.json"))
-    parser.add_argument("--loads", default="0.25,0.6,1.5", help="rates as fractions of the simulated capacity")
-    parser.add_argument("--seconds", type=float, default=60.0, help="seconds of arrivals per workload (60)")
-    parser.add_argument("--min-prompts", type=int, default=24)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    replica, calibration = replica_of(args.calibration)
-    cap = capacity(replica, args.seed)
+def validate(model: str, calibration_path: str, loads: list[float], seconds: float, min_prompts: int,
+             seed: int) -> dict:
+    """Measure each load (as a fraction of the simulated capacity) on a fresh server and predict it;
+    the rows with their relative errors, printed one line each as they finish."""
+    from kvlab.bench.provenance import provenance
+
+    replica, calibration = replica_of(calibration_path)
+    cap = capacity(replica, seed)
     rows = []
     names = ("low", "medium", "saturating")
-    for name, load in zip(names, [float(x) for x in args.loads.split(",")]):
+    for name, load in zip(names, loads):
         rate = round(load * cap, 3)
-        n = max(args.min_prompts, int(args.seconds * rate))
+        n = max(min_prompts, int(seconds * rate))
         port = free_port()
-        proc = serve(args.model, calibration["engine"], port)
+        proc = serve(model, calibration["engine"], port)
         try:
-            warm_up(args.model, port)
+            warm_up(model, port)
             load_before = os.getloadavg()[0]
             with tempfile.TemporaryDirectory() as tmp:
-                measured = bench(args.model, port, rate, n, args.seed, os.path.join(tmp, "bench.json"))
+                measured = bench(model, port, rate, n, seed, os.path.join(tmp, "bench.json"))
             load_after = os.getloadavg()[0]
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -193,9 +192,9 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        reqs = lengths(n, args.seed, arrival_times(n, rate, 1.0, args.seed), measured.get("input_lens"))
+        reqs = lengths(n, seed, arrival_times(n, rate, 1.0, seed), measured.get("input_lens"))
         predicted = summarise(simulate(replica, reqs, 1, simulator="engine"), 1)
-        in_process = engine_only(args.model, calibration["engine"], reqs) if name in ("low", "medium") else None
+        in_process = engine_only(model, calibration["engine"], reqs) if name in ("low", "medium") else None
         row = {"workload": name, "load": load, "rate": rate, "num_prompts": n,
                "load_average_1min": [round(load_before, 2), round(load_after, 2)],
                "measured": {"request_throughput": measured["request_throughput"],
@@ -216,15 +215,10 @@ def main() -> int:
                          if row["measured"][k]}
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("workload", "rate", "errors")}), flush=True)
-    result = {"model": args.model, "calibration": os.path.relpath(args.calibration, ROOT),
+    result = {"model": model, "calibration": os.path.relpath(calibration_path),
               "simulated_capacity_req_s": cap, "workload": {"dataset": "random", "input_len": INPUT_LEN,
                                                             "output_len": OUTPUT_LEN, "range_ratio": RANGE,
-                                                            "arrivals": "Poisson", "seed": args.seed},
+                                                            "arrivals": "Poisson", "seed": seed},
               "targets": {"request_throughput": 0.10, "p95_ttft_ms": 0.25, "at": ["low", "medium"]},
               "rows": rows, "provenance": provenance()}
-    write_json(args.out, result)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return result

@@ -1,136 +1,30 @@
-"""Regenerate reports/fleet/: worked examples, the day-long speed run, figures, and the README.
+"""reports/fleet/README.md: the fleet simulator's validation, worked examples and speed, from the JSON beside it.
 
-    python3 scripts/fleet_report.py              # examples + speed run + README (reuses validation.json)
-    python3 scripts/fleet_report.py --validate   # first re-measure: kvlab fleet calibrate + scripts/fleet_validate.py
-    python3 scripts/fleet_report.py --render     # only rewrite README.md from the JSON files
-    (--skip-day and --day-only split the run in two, each under ten minutes; --speculative-only redoes the
-    draft-model example alone)
-
-Run it alone (the speed run and the validation measure): flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py
+Renders calibration-smollm2.json (`kvlab fleet calibrate`), validation.json (`kvlab bench
+fleet-validate`), datacentre.json, speculative.json, edge.json and day.json (`kvlab bench
+fleet-report`), and places the hand-written sections of notes.md where their markers stand. It
+measures nothing and imports no simulator: the efficiency factors the roofline ran with are read
+from the data-centre runs' JSON, the command lines from kvlab.bench.fleet_examples.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-OUT = ROOT / "reports" / "fleet"
-
-from kvlab.bench.provenance import provenance  # noqa: E402
-from kvlab.cli import build_parser  # noqa: E402
-from kvlab.commands.fleet_scenario import scenario_from_args  # noqa: E402
-from kvlab.commands.plan_args import model_from_args, request_from_args  # noqa: E402
-from kvlab.fleet.step_cost import (DEFAULT_BANDWIDTH_EFFICIENCY, DEFAULT_COMPUTE_EFFICIENCY,  # noqa: E402
-                                   DEFAULT_STEP_OVERHEAD_S, EFFICIENCY_SOURCES)
-from kvlab.plan.planner import plan  # noqa: E402
-
-PRICE_H100_HOUR = 2.50  # USD per card-hour: an illustrative input, not a quote; replace with yours
-PRICE_PER_MTOK = 0.90  # USD per million output tokens on a shared pay-per-token pool: illustrative too
-DATACENTRE = ("llama-3-70b --gpu h100 --rate 50 --duration 60 --prompt-len 4096 --output-len 512 "
-              f"--slo ttft:2000 tpot:50 --find-min-cards --price-per-card-hour {PRICE_H100_HOUR} "
-              f"--price-per-mtok {PRICE_PER_MTOK} --seed 0")
-VARIANTS = (("MHA", "--kv-heads 64"), ("GQA-8", ""), ("MLA 512+64", "--mla-rank 512 --mla-rope-dim 64"))
-DTYPES = ("fp16", "fp8")
-EDGE = ("smollm2-135m --gpu jetson-agx-orin-64gb --rate 10 --burstiness inf --duration 60 --prompt-len 32 "
-        "--output-len 8 --prefix-fraction 1 --prefix-len 1536 --max-num-seqs 8 --slo e2el:50 --seed 0")
-DRAFT = "reports/fleet/llama-3.2-1b"  # Llama-3.2-1B's published config.json shape (16 layers, GQA-8, 1.24B)
-SPECULATIVE = f"{DATACENTRE} --kv-cache-dtype fp8 --tensor-parallel-size 8"
-ACCEPTANCE = (0.5, 0.7, 0.9)
-DAY = ("llama-3-8b --gpu h100 --kv-cache-dtype fp8 --rate 100 --duration 86400 --prompt-len uniform:1024:0.5 "
-       "--output-len uniform:256:0.5 --replicas {replicas} --tensor-parallel-size {tp} --router least-loaded "
-       "--simulator fast --seed 0")
-
-
-def fleet(command: str, plot: bool = False) -> dict:
-    """One `kvlab fleet` run in-process: the same parser and scenario the command line uses."""
-    argv = ["fleet"] + command.split()
-    args = build_parser("fleet").parse_args(argv)
-    scenario = scenario_from_args(args)
-    result = scenario.run()
-    if plot:
-        result["figures"] = [os.path.relpath(p, OUT) for p in scenario.figures(result, str(OUT))]
-    result["command"] = "kvlab " + " ".join(argv)
-    result["result"].pop("timeline", None)
-    return result
-
-
-def write(name: str, data: dict) -> None:
-    path = OUT / name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**data, "provenance": provenance()}, indent=2) + "\n")
-    tmp.replace(path)
-
-
-def datacentre() -> None:
-    rows = []
-    for label, flags in VARIANTS:
-        for dtype in DTYPES:
-            started = time.perf_counter()
-            r = fleet(f"{DATACENTRE} --kv-cache-dtype {dtype} {flags}".strip(), plot=(label, dtype) == ("MHA", "fp16"))
-            r["label"], r["kv_dtype"], r["wall_seconds"] = label, dtype, time.perf_counter() - started
-            rows.append(r)
-            print(f"datacentre {label} {dtype}: {r['min_cards']['cards']} cards", flush=True)
-    sweep = fleet(f"{DATACENTRE} --kv-cache-dtype fp8 --sweep-rates 10,25,50,75,100", plot=True)
-    write("datacentre.json", {"rows": rows, "sweep": sweep})
-
-
-def edge() -> None:
-    rows = []
-    for caching in ("", " --no-prefix-caching"):
-        r = fleet(EDGE + caching + " --sweep-rates 5,10,20,40,80", plot=not caching)
-        r["prefix_caching"] = not caching
-        rows.append(r)
-    write("edge.json", {"rows": rows})
-
-
-def speculative() -> None:
-    """Llama-3-70B GQA-8 fp8 KV on TP8 replicas, without and with a Llama-3.2-1B draft (k = 4) at three
-    acceptance rates: the fewest replicas for the SLO, the tails, the bill."""
-    rows = []
-    for a in (None,) + ACCEPTANCE:
-        flags = "" if a is None else f" --draft {DRAFT} --acceptance-rate {a} --num-speculative-tokens 4"
-        started = time.perf_counter()
-        r = fleet(SPECULATIVE + flags)
-        r["acceptance_rate"], r["wall_seconds"] = a, time.perf_counter() - started
-        if a is not None:  # the planner's batch-1 figures for the same draft, for comparison
-            argv = ["plan", "llama-3-70b", "--gpu", "h100", "--kv-cache-dtype", "fp8", "--tensor-parallel-size", "8",
-                    "--draft", DRAFT, "--acceptance-rate", str(a), "--num-speculative-tokens", "4"]
-            args = build_parser("plan").parse_args(argv)
-            r["plan_speculative"] = plan(model_from_args(args), request_from_args(args))["speculative"]
-            r["plan_command"] = "kvlab " + " ".join(argv)
-        rows.append(r)
-        print(f"speculative a={a}: {r['min_cards']['cards']} cards", flush=True)
-    write("speculative.json", {"rows": rows})
-
-
-def day() -> None:
-    """A day at 100 req/s: the fleet sized on ten minutes of the same traffic, then the whole day, timed."""
-    sizing = fleet(DAY.format(replicas=1, tp=1).replace("--duration 86400", "--duration 600").replace(
-        "--replicas 1 --tensor-parallel-size 1", "--slo ttft:2000 tpot:50 --find-min-cards").replace(
-        " --simulator fast", ""))
-    replicas, tp = sizing["min_cards"]["replicas"], sizing["replica"]["cards"]
-    started = time.perf_counter()
-    r = fleet(DAY.format(replicas=replicas, tp=tp))
-    r["total_wall_seconds"] = time.perf_counter() - started
-    r["sized_on"] = sizing["command"]
-    write("day.json", r)
-    print(f"day: {r['result']['requests']:,} requests in {r['total_wall_seconds']:.0f} s", flush=True)
+from kvlab.bench.fleet_examples import DATACENTRE, DRAFT, PRICE_H100_HOUR, PRICE_PER_MTOK, SPECULATIVE
 
 
 def _ms(x) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def render() -> None:
+def render(out: Path) -> str:
+    """The page of the report folder `out`; a section whose JSON is missing is left out."""
+    out = Path(out)
+
     def load(name):
-        path = OUT / name
+        path = out / name
         return json.loads(path.read_text()) if path.exists() else None
 
     val, dc, ed, dy, cal = (load("validation.json"), load("datacentre.json"), load("edge.json"), load("day.json"),
@@ -138,8 +32,9 @@ def render() -> None:
     sp = load("speculative.json")
     lines = ["# kvlab fleet: sizing a serving fleet by simulating the engine's own scheduler", "",
              "Regenerate everything (re-measures the validation, then the examples and the day run):",
-             "`flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`; without `--validate` "
-             "the measured validation.json is reused; `--render` only rewrites this file from the JSON files.",
+             "`flock /tmp/kvlab-heavy.lock kvlab bench fleet-report --validate`; without `--validate` "
+             "the measured validation.json is reused; `kvlab report fleet` only rewrites this file from the JSON "
+             "files.",
              "Every number below is read from the JSON files beside this README (each with provenance).", ""]
     lines += ["## Validation against the real engine on this machine", ""]
     if cal:
@@ -160,7 +55,7 @@ def render() -> None:
                   f"{w['output_len']} output tokens each uniform within +-{w['range_ratio']:.0%}, --ignore-eos, "
                   f"Poisson arrivals, seed {w['seed']}, against `kvlab serve smollm2-135m` with the calibration's "
                   f"settings; the simulator runs the same arrivals and lengths on the engine's Scheduler "
-                  f"(`python3 scripts/fleet_validate.py`). Simulated capacity {val['simulated_capacity_req_s']:.2f} "
+                  f"(`kvlab bench fleet-validate`). Simulated capacity {val['simulated_capacity_req_s']:.2f} "
                   "req/s. Targets: throughput within 10% and p95 TTFT within 25% at low and medium load.", "",
                   "| load | rate req/s | prompts | throughput meas / pred | p50 TTFT ms meas / pred | "
                   "p95 TTFT ms meas / pred | p50 TPOT ms meas / pred | p95 TPOT ms meas / pred | "
@@ -204,15 +99,19 @@ def render() -> None:
             lines += ["", f"1-minute load average before and after each server run: {loads}."]
         lines += ["", "VALIDATION_NOTES", ""]
     else:
-        lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock python3 scripts/fleet_report.py --validate`.", "",
+        lines += ["Not measured yet: run `flock /tmp/kvlab-heavy.lock kvlab bench fleet-report --validate`.", "",
                   "VALIDATION_STATUS", ""]
-    lines += ["## Default efficiency factors (the roofline, when no --calibration is given)", "",
-              f"- bandwidth efficiency {DEFAULT_BANDWIDTH_EFFICIENCY}: {EFFICIENCY_SOURCES['bandwidth']}",
-              f"- compute efficiency {DEFAULT_COMPUTE_EFFICIENCY}: {EFFICIENCY_SOURCES['compute']}",
-              f"- step overhead {DEFAULT_STEP_OVERHEAD_S * 1e3:g} ms: {EFFICIENCY_SOURCES['overhead']}",
-              "- datasheet bandwidth and dense TFLOP/s: kvlab.plan.hardware (the vendors' datasheets, as "
-              "../shared/reference/ANCHORS.md lists them). Tensor-parallel communication is not modelled, so "
-              "larger tensor-parallel degrees look better than they are.", ""]
+    # the factors the data-centre runs' roofline used, as their JSON recorded them (kvlab.fleet.step_cost's defaults)
+    roofline = next((r for r in dc["rows"] if "efficiency_sources" in r), None) if dc else None
+    if roofline:
+        cost, sources = roofline["replica"]["cost"], roofline["efficiency_sources"]
+        lines += ["## Default efficiency factors (the roofline, when no --calibration is given)", "",
+                  f"- bandwidth efficiency {cost['bandwidth_efficiency']}: {sources['bandwidth']}",
+                  f"- compute efficiency {cost['compute_efficiency']}: {sources['compute']}",
+                  f"- step overhead {cost['step_overhead_s'] * 1e3:g} ms: {sources['overhead']}",
+                  "- datasheet bandwidth and dense TFLOP/s: kvlab.plan.hardware (the vendors' datasheets, as "
+                  "../shared/reference/ANCHORS.md lists them). Tensor-parallel communication is not modelled, so "
+                  "larger tensor-parallel degrees look better than they are.", ""]
     if dc:
         lines += ["## Data centre: Llama-3-70B on H100 SXM at 50 requests/s, 4,096-token prompts, 512-token answers",
                   "", f"SLO: p95 TTFT <= 2 s and p95 TPOT <= 50 ms. Prices are illustrative inputs: "
@@ -242,7 +141,7 @@ def render() -> None:
     if sp:
         lines += ["## Speculative decoding: the same Llama-3-70B fleet with a Llama-3.2-1B draft", "",
                   "GQA-8 with fp8 KV on TP8 replicas, the workload and SLO above; the draft is "
-                  f"[Llama-3.2-1B's config shape]({os.path.relpath(ROOT / DRAFT, OUT)}/config.json) with k = 4 "
+                  f"[Llama-3.2-1B's config shape]({DRAFT.rsplit('/', 1)[-1]}/config.json) with k = 4 "
                   "drafted tokens. Its weights (1.24B parameters, bf16) and KV share the cards, so each block "
                   "holds both caches and the replica has fewer; a step costs up to 4 draft rounds on the same "
                   "roofline plus a target pass over 5 tokens per sequence, and emits min(G, 4) + 1 tokens "
@@ -293,44 +192,14 @@ def render() -> None:
                   f"p95 TTFT {_ms(res['ttft_ms']['p95'])} ms, p95 TPOT {_ms(res['tpot_ms']['p95'])} ms.", ""]
     lines += ["## How the simulator works, and its limits", "", "SIMULATOR_NOTES", ""]
     text = "\n".join(lines)
-    notes = (OUT / "notes.md").read_text() if (OUT / "notes.md").exists() else ""
+    notes = (out / "notes.md").read_text() if (out / "notes.md").exists() else ""
     parts = dict(p.split("\n", 1) for p in notes.split("<!-- ")[1:]) if notes else {}
     for key in ("VALIDATION_NOTES", "VALIDATION_STATUS", "SIMULATOR_NOTES"):
         text = text.replace(key, parts.get(key + " -->", "").strip())
-    tmp = OUT / "README.md.tmp"
-    tmp.write_text(text + "\n")
-    tmp.replace(OUT / "README.md")
+    return text + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--validate", action="store_true", help="re-run the calibration and the validation first")
-    parser.add_argument("--render", action="store_true", help="only rewrite README.md from the JSON files")
-    parser.add_argument("--skip-day", action="store_true", help="keep day.json (the longest part)")
-    parser.add_argument("--day-only", action="store_true", help="only the day-long speed run, then the README")
-    parser.add_argument("--speculative-only", action="store_true",
-                        help="only the speculative-decoding example (about two minutes), then the README")
-    args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    os.chdir(ROOT)  # the commands name repository paths (the draft's config.json)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    if args.validate:
-        subprocess.run([sys.executable, "-m", "kvlab.cli", "fleet", "calibrate", "smollm2-135m", "--kv-cache-memory",
-                        "1GiB", "--output", str(OUT / "calibration-smollm2.json")], check=True, env=env)
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "fleet_validate.py")], check=True, env=env)
-    if args.day_only:
-        day()
-    elif args.speculative_only:
-        speculative()
-    elif not args.render:
-        datacentre()
-        speculative()
-        edge()
-        if not args.skip_day:
-            day()
-    render()
-    return 0
+def write(out: Path) -> Path:
+    from kvlab.files import write_atomic
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return write_atomic(Path(out) / "README.md", render(out))
