@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> dict:
         for rows in sorted({1, args.rows}):
             steps = {}
             for dtype in args.formats:
-                pool, tables = random_pool(model, [args.context] * rows, dtype, block_size=block_size)
+                long_pool, tables = random_pool(model, [args.context] * rows, dtype, block_size=block_size)
                 at = StepBatch.build([args.context] * rows, [1] * rows, tables, block_size)
-                steps[dtype] = (PagedDecodeStep(model, pool, rows), at)
-                del pool
+                steps[dtype] = (PagedDecodeStep(model, long_pool, rows), at)
+                del long_pool  # the step keeps what it reads; the short-context pool above stays the module path's
             tokens = ids[:rows]
             long[rows] = median_ms({dtype: (lambda s=s, b=b: s(tokens, b)) for dtype, (s, b) in steps.items()},
                                    args.repeats)
