@@ -84,22 +84,45 @@ def head_path(args, method: str) -> str:
     return args.head if method == "eagle" else args.medusa_head
 
 
-def run(args: argparse.Namespace) -> dict:
-    if args.method != ["eagle"] or args.batch != [1] or args.temperature != [0.0]:
-        return run_grid(args)
-    from kvlab.bench.provenance import provenance
+def _tok_s(runs: list[dict]) -> float:
+    """Decode tokens per second over `runs` together (not the mean of their rates)."""
+    return sum(r["decode_tokens"] for r in runs) / sum(r["decode_seconds"] for r in runs)
+
+
+def _acceptance(runs: list[dict], k: int) -> dict:
+    """What `runs` of one speculative setting at k drafted tokens accepted: per position and on average."""
+    drafts = sum(r["num_drafts"] for r in runs)
+    accepted = [sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in runs)
+                for i in range(k)]
+    return {"num_drafts": drafts,
+            "acceptance_rate": sum(accepted) / max(1, sum(r["num_draft_tokens"] for r in runs)),
+            "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted],
+            "mean_acceptance_length": 1 + sum(accepted) / drafts if drafts else 1.0}
+
+
+def _workload(args: argparse.Namespace):
+    """The target, its tokenizer, the held-out chat prompts and the step costs at their mean context."""
     from kvlab.bench.spec_costs import measure_step_costs
-    from kvlab.bench.speculative import run_once, workload_prompts
+    from kvlab.bench.speculative import workload_prompts
     from kvlab.checkpoints.resolve import load_model
-    from kvlab.train.progress import progress_bar
 
     torch.manual_seed(0)
     loaded = load_model(args.model, torch.float32, "gguf")
     model, tokenizer = loaded.model, loaded.tokenizer
     prompts = workload_prompts(tokenizer, "chat", args.prompts)
-    head_meta = json.loads((Path(args.head) / "config.json").read_text())
     context = round(sum(map(len, prompts)) / len(prompts)) + args.max_tokens // 2
-    costs = measure_step_costs(model, tokenizer, {}, context)
+    return model, tokenizer, prompts, measure_step_costs(model, tokenizer, {}, context)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.method != ["eagle"] or args.batch != [1] or args.temperature != [0.0]:
+        return run_grid(args)
+    from kvlab.bench.provenance import provenance
+    from kvlab.bench.speculative import run_once
+    from kvlab.train.progress import progress_bar
+
+    model, tokenizer, prompts, costs = _workload(args)
+    head_meta = json.loads((Path(args.head) / "config.json").read_text())
     head_ms = head_round_ms(model, tokenizer, args.head)
     plain_runs, runs = [], {k: [] for k in args.k}
     bar = progress_bar(args.rounds * (1 + len(args.k)) + 1, "eagle", unit="run", enabled=sys.stderr.isatty())
@@ -113,22 +136,16 @@ def run(args: argparse.Namespace) -> dict:
     plain_runs.append(run_once(model, tokenizer, prompts, 0.0, args.max_tokens, None, 1))
     bar and bar.update(1)
     bar and bar.close()
-    base = sum(r["decode_tokens"] for r in plain_runs) / sum(r["decode_seconds"] for r in plain_runs)
+    base = _tok_s(plain_runs)
     plain_step = costs.get("plain_step_ms")
     head_cost = head_ms / plain_step if plain_step else None
     results = []
     for k, rs in runs.items():
-        tok_s = sum(r["decode_tokens"] for r in rs) / sum(r["decode_seconds"] for r in rs)
-        drafts = sum(r["num_drafts"] for r in rs)
-        accepted = [sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in rs)
-                    for i in range(k)]
-        length = 1 + sum(accepted) / drafts if drafts else 1.0
+        tok_s, accepted = _tok_s(rs), _acceptance(rs, k)
+        length = accepted["mean_acceptance_length"]
         verify = costs.get("verify_cost", {}).get(str(k + 1))
         step_cost = verify + k * head_cost if verify and head_cost is not None else None
-        results.append({"k": k, "tok_s": tok_s, "speedup": tok_s / base, "num_drafts": drafts,
-                        "acceptance_rate": sum(accepted) / max(1, sum(r["num_draft_tokens"] for r in rs)),
-                        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted],
-                        "mean_acceptance_length": length, "step_cost": step_cost,
+        results.append({"k": k, "tok_s": tok_s, "speedup": tok_s / base, **accepted, "step_cost": step_cost,
                         "predicted_speedup": length / step_cost if step_cost else None,
                         "length_needed_for_1_5x": 1.5 * step_cost if step_cost else None,
                         "greedy_identical": all(r["outputs"] == plain_runs[0]["outputs"] for r in rs),
@@ -148,18 +165,11 @@ def run(args: argparse.Namespace) -> dict:
 def run_grid(args: argparse.Namespace) -> dict:
     """Every (batch, temperature) cell: plain decoding and each method at each k, interleaved per round."""
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.spec_costs import measure_step_costs
-    from kvlab.bench.speculative import run_once, workload_prompts
-    from kvlab.checkpoints.resolve import load_model
+    from kvlab.bench.speculative import run_once
     from kvlab.plan.speculative import acceptance_needed
     from kvlab.train.progress import progress_bar
 
-    torch.manual_seed(0)
-    loaded = load_model(args.model, torch.float32, "gguf")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    prompts = workload_prompts(tokenizer, "chat", args.prompts)
-    context = round(sum(map(len, prompts)) / len(prompts)) + args.max_tokens // 2
-    costs = measure_step_costs(model, tokenizer, {}, context)
+    model, tokenizer, prompts, costs = _workload(args)
     head_ms = head_costs(model, tokenizer, args)
     cells = [(b, t) for b in args.batch for t in args.temperature]
     plain = {c: [] for c in cells}
@@ -179,26 +189,19 @@ def run_grid(args: argparse.Namespace) -> dict:
         plain[b, t].append(run_once(model, tokenizer, prompts, t, args.max_tokens, None, b))
         bar and bar.update(1)
     bar and bar.close()
-    rate = {c: sum(r["decode_tokens"] for r in rs) / sum(r["decode_seconds"] for r in rs) for c, rs in plain.items()}
+    rate = {c: _tok_s(rs) for c, rs in plain.items()}
     plain_step = costs.get("plain_step_ms")
     results = []
     for (m, k, b, t), rs in runs.items():
-        tok_s = sum(r["decode_tokens"] for r in rs) / sum(r["decode_seconds"] for r in rs)
-        drafts = sum(r["num_drafts"] for r in rs)
-        draft_tokens = sum(r["num_draft_tokens"] for r in rs)
-        accepted = [sum(r["accepted_per_position"][i] if i < len(r["accepted_per_position"]) else 0 for r in rs)
-                    for i in range(k)]
-        length = 1 + sum(accepted) / drafts if drafts else 1.0
+        tok_s, accepted = _tok_s(rs), _acceptance(rs, k)
+        length = accepted["mean_acceptance_length"]
         verify = costs.get("verify_cost", {}).get(str(k + 1))
         head_cost = head_ms[m][str(k)] / plain_step if plain_step else None
         passes = k if m == "eagle" else 1
         step_cost = verify + passes * head_cost if verify and head_cost is not None else None
         needed = acceptance_needed(1.5, k, head_cost, verify, passes) if step_cost else None
         results.append({"method": m, "k": k, "batch": b, "temperature": t, "tok_s": tok_s,
-                        "speedup": tok_s / rate[b, t], "num_drafts": drafts,
-                        "acceptance_rate": sum(accepted) / max(1, draft_tokens),
-                        "acceptance_per_position": [a / drafts if drafts else 0.0 for a in accepted],
-                        "mean_acceptance_length": length, "head_pass_ms": head_ms[m][str(k)],
+                        "speedup": tok_s / rate[b, t], **accepted, "head_pass_ms": head_ms[m][str(k)],
                         "head_pass_cost": head_cost, "head_passes": passes, "step_cost": step_cost,
                         "predicted_speedup": length / step_cost if step_cost else None,
                         "length_needed_for_1_5x": 1.5 * step_cost if step_cost else None,
