@@ -120,7 +120,8 @@ SMALLEST: dict[str, list[str]] = {
     "kvlab bench eagle --head '~/.cache/kvlab/drafts/smollm2-eagle' --out reports/speculative/eagle":
         ["kvlab", "bench", "eagle", "--head", "eagle-head", "--k", "1", "--prompts", "1", "--max-tokens", "4",
          "--rounds", "1", "--out", "eagle-out"],
-    "kvlab bench eagle --method eagle medusa --k 1 2 3 --batch 1 4 --temperature 0 0.7 1.0 --prompts 5 "
+    "kvlab bench eagle --method eagle medusa --head '~/.cache/kvlab/drafts/smollm2-eagle' --medusa-head "
+    "'~/.cache/kvlab/drafts/smollm2-medusa' --k 1 2 3 --batch 1 4 --temperature 0 0.7 1.0 --prompts 5 "
     "--max-tokens 64 --rounds 2 --out reports/speculative/heads":
         ["kvlab", "bench", "eagle", "--method", "eagle", "medusa", "--head", "eagle-head", "--medusa-head",
          "medusa-head", "--k", "1", "--batch", "1", "2", "--temperature", "0", "1.0", "--prompts", "2",
