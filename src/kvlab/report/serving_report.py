@@ -233,10 +233,12 @@ def render(folder: Path) -> str:
         lines += [f"Measured at {provenance_text(result)}.{_partial(result)}", "", *compare_table(result), "",
                   *peers_notes(result), *failure_notes(result), "",
                   *target_lines(result), ""]
-    for length, name, piece in ((128, "compare_llama_server.json", "llamaserver"),
-                                (1024, "compare_llama_server_1024.json", "llamaserver1024")):
+    for prompts, name, piece in (("128-token prompts", "compare_llama_server.json", "llamaserver"),
+                                 ("1024-token prompts", "compare_llama_server_1024.json", "llamaserver1024"),
+                                 ("ShareGPT first turns", "compare_llama_server_sharegpt.json", "llamaserversharegpt")):
         llama_server = _load(folder, name)
-        lines += llama_server_section(llama_server, compare_table(llama_server) if llama_server else [], length, piece)
+        lines += llama_server_section(llama_server, compare_table(llama_server) if llama_server else [], prompts,
+                                      piece)
     gemma = _load(folder, "compare_gemma.json")
     lines += gemma_section(gemma, compare_table(gemma) if gemma else [])
     a8 = _load(folder, "compare_a8.json")
