@@ -45,6 +45,7 @@ typedef struct {
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
     float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
     float *lat, *mq; /* MLA (mla_attend.h): each head's attended latent [rows, heads, rank], absorbed queries */
+    float *mla_rows; /* MLA: per thread, one chunk of cached rows widened to fp32 */
     qacts qa; /* the activations of the next product, quantised */
     /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
@@ -588,6 +589,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
         (size_t)rows * m->dim * sizeof(float),
         mla ? (size_t)rows * m->n_heads * rank * sizeof(float) : 0,
         mla ? (size_t)rows * m->n_heads * mla_query_width(m) * sizeof(float) : 0,
+        mla ? (size_t)omp_get_max_threads() * CHUNK * mla_row_width(m) * sizeof(float) : 0,
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
@@ -599,7 +601,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
 
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
-                      (void **)&s->part_out, (void **)&s->sub, (void **)&s->lat, (void **)&s->mq,
+                      (void **)&s->part_out, (void **)&s->sub, (void **)&s->lat, (void **)&s->mq, (void **)&s->mla_rows,
                       (void **)&s->qa.q, (void **)&s->qa.d,
                       (void **)&s->qa.s, (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
                       (void **)&s->unit_table};

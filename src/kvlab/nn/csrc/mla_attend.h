@@ -12,8 +12,12 @@
  * is (row, chunk of CHUNK tokens) with every query head, not one per KV head as for GQA: all
  * heads read the same latent, and a chunk's rows (128 tokens of 384 fp16 channels on SmolLM2's
  * conversion: 96 KiB) stay in the core's L2 while the head packs go over them, where units per
- * RoPE key would fetch each chunk from memory G times. W_uk and W_uv are fp32 matrices (the
- * module path's `up_weights`, the same values), applied per head in plain fp32.
+ * RoPE key would fetch each chunk from memory G times. A narrow pool's chunk (fp16, bf16, fp8) is
+ * widened to fp32 once per unit, into the thread's own buffer, before the head packs read it:
+ * widening it per pack (as the GQA loop does, where one pack usually covers a KV head's queries)
+ * made the F16C conversions, not the multiply-adds, the bound, and SmolLM2's exact conversion
+ * reads each latent channel for nine heads. W_uk and W_uv are fp32 matrices (the module path's
+ * `up_weights`, the same values), applied per head in plain fp32.
  *
  * Included by llama_decode.c after the helpers it shares (exp8, hsum4, hmax, rms_norm, rope,
  * norm_quantize, stack_gemm); static like them. Float caches only (fp32, fp16, bf16, fp8 with
@@ -21,6 +25,8 @@
  */
 #ifndef KVLAB_MLA_ATTEND_H
 #define KVLAB_MLA_ATTEND_H
+
+#include <omp.h>
 
 /* Channels of one cached row, of one absorbed query head, and of one token's projections row
  * (the queries, nope + rope per head, then the latent and its RoPE keys). */
@@ -144,13 +150,25 @@ static inline __attribute__((always_inline)) void mla_attend_chunk(const llama_m
     }
     for (int t = 0; t < PREFETCH && t < c.len; t++) prefetch_row(&l->k, dtype, c.slots[t], c.width, 1);
     const float scale = m->query_scale > 0.0f ? m->query_scale : 1.0f / sqrtf((float)(m->qk_nope_dim + rope));
-    const float v_factor = fp8_factor(&l->k, dtype, 0), k_factor = v_factor * scale;
+    kv_plane rows = l->k;
+    float factor = fp8_factor(&l->k, dtype, 0);
+    if (dtype != CACHE_F32) { /* the chunk widened once, scaled to the cache's units, rows 0 .. len - 1 */
+        float *wide = s->mla_rows + (size_t)omp_get_thread_num() * CHUNK * c.width;
+        const __m256 f = _mm256_set1_ps(factor);
+        for (int t = 0; t < c.len; t++) {
+            if (t + PREFETCH < c.len) prefetch_row(&l->k, dtype, c.slots[t + PREFETCH], c.width, 1);
+            for (int i = 0; i < c.width; i += 8)
+                _mm256_storeu_ps(wide + (size_t)t * c.width + i, _mm256_mul_ps(load8(&l->k, dtype, c.slots[t], i, c.width), f));
+            c.slots[t] = t;
+        }
+        rows.data = wide, factor = 1.0f;
+    }
     const float *q = s->mq + (size_t)r * hq * qw;
     for (int h = 0; h < hq;) {
         const int key = h / group, pack = (key + 1) * group - h < 4 ? (key + 1) * group - h : 4;
         const size_t at = (size_t)unit * hq + h;
-        FOR_HEAD_PACK(pack, mla_attend_heads, &l->k, dtype, &c, q + (size_t)h * qw, qw, rank + key * rope, rope,
-                      s->scores + at * CHUNK, k_factor, v_factor, s->part_max + at, s->part_sum + at,
+        FOR_HEAD_PACK(pack, mla_attend_heads, &rows, CACHE_F32, &c, q + (size_t)h * qw, qw, rank + key * rope, rope,
+                      s->scores + at * CHUNK, factor * scale, factor, s->part_max + at, s->part_sum + at,
                       s->part_out + at * rank)
         h += pack;
     }
