@@ -22,7 +22,7 @@ from kvlab.nn.pack import pack_q8_0
 from kvlab.nn.paged_decode import PagedDecodeStep, why_not_paged
 from test_c_model import assert_close_to_scale
 
-from needs import require_kernels
+from needs import STORIES, require_file, require_kernels
 
 BLOCK = 8
 LENGTHS = [3, 17, 130, 200]  # inside a block, across blocks, past one and one and a half 128-token chunks
@@ -154,3 +154,27 @@ def test_what_the_c_step_does_not_run_says_why():
     assert "latent pools" in why_not_paged(model, KVPool.for_model(model.config, 4, BLOCK, "int8"))
     assert "not this model's" in why_not_paged(model, KVPool.for_model(SOURCE, 4, BLOCK))
     assert "--kv-window" in why_not_paged(model, KVPool.for_model(model.config, 4, BLOCK, kv_window=16))
+
+
+def test_a_converted_directory_loads_as_q8_0_blocks_and_decodes_in_c(tmp_path):
+    """`--weights q8_0` (load_checkpoint(..., "q8_0")) on a safetensors directory: the same blocks
+    pack_q8_0 makes of the model in memory, and the C step runs it."""
+    from kvlab.checkpoints.hf import save_hf
+    from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.nn.ggml import GGMLLinear
+
+    dense = mla_model("truncated")
+    save_hf(dense, str(tmp_path), None)
+    loaded = load_checkpoint(str(tmp_path), packing="q8_0").model
+    assert isinstance(loaded.blocks[0].attn.wkv_a, GGMLLinear) and loaded.packing == "gguf"
+    assert torch.equal(loaded.blocks[1].attn.o.codes, pack_q8_0(dense).blocks[1].attn.o.codes)
+    assert why_not_paged(loaded, KVPool.for_model(loaded.config, 4, BLOCK)) is None
+
+
+def test_q8_0_refuses_a_model_whose_rows_are_not_32_multiples_in_one_line():
+    from kvlab.checkpoints.resolve import load_checkpoint
+    from kvlab.plan.errors import PlanError
+
+    path = require_file(STORIES, "stories260K")
+    with pytest.raises(PlanError, match="--weights q8_0: Q8_0 packs rows of a multiple of 32 weights, not 172"):
+        load_checkpoint(str(path), packing="q8_0")
