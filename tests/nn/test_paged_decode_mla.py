@@ -28,7 +28,7 @@ BLOCK = 8
 LENGTHS = [3, 17, 130, 200]  # inside a block, across blocks, past one and one and a half 128-token chunks
 SOURCE = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
                      max_seq_len=256, tie_embeddings=True, name="tiny-gqa")
-DEEPSEEK = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, attention="mla", kv_lora_rank=24,
+DEEPSEEK = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=6, attention="mla", kv_lora_rank=24,
                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, ffn_dim=96, max_seq_len=256,
                        name="tiny-deepseek")
 

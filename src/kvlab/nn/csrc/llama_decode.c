@@ -45,7 +45,7 @@ typedef struct {
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
     float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
     float *lat, *mq; /* MLA (mla_attend.h): each head's attended latent [rows, heads, rank], absorbed queries */
-    float *mla_rows; /* MLA: per thread, one chunk of cached rows widened to fp32 */
+    float *mla_rows; /* MLA: per thread, MLA_SUB cached rows widened to fp32 */
     qacts qa; /* the activations of the next product, quantised */
     /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
@@ -589,7 +589,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
         (size_t)rows * m->dim * sizeof(float),
         mla ? (size_t)rows * m->n_heads * rank * sizeof(float) : 0,
         mla ? (size_t)rows * m->n_heads * mla_query_width(m) * sizeof(float) : 0,
-        mla ? (size_t)omp_get_max_threads() * CHUNK * mla_row_width(m) * sizeof(float) : 0,
+        mla ? (size_t)omp_get_max_threads() * MLA_SUB * mla_row_width(m) * sizeof(float) : 0,
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
