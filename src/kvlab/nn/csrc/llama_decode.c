@@ -419,21 +419,27 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
     }
 }
 
+/* One head's `chunks` softmax partials (largest score, sum of exp, exp-weighted values of `width`
+ * channels), at partial indices first, first + stride, ..., merged into out, as flash-decoding does. */
+static void merge_partials(const scratch *s, size_t first, size_t stride, int chunks, int width, float *out) {
+    float top = -INFINITY, total = 0.0f;
+    for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * stride]);
+    for (int i = 0; i < width; i++) out[i] = 0.0f;
+    for (int c = 0; c < chunks; c++) {
+        const size_t at = first + (size_t)c * stride;
+        const float weight = expf(s->part_max[at] - top);
+        total += weight * s->part_sum[at];
+        for (int i = 0; i < width; i++) out[i] += weight * s->part_out[at * width + i];
+    }
+    for (int i = 0; i < width; i++) out[i] /= total;
+}
+
 /* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
 static void combine_heads(const llama_model *m, const paged_view *v, int r, int h, const scratch *s, float *out) {
     const int L = s->layout, d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
     const int chunks = chunks_at(v->positions[r], s->layout_window[L]), kvh = h / group, j = h % group;
     const size_t first = ((size_t)s->unit_first[L][r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
-    float top = -INFINITY, total = 0.0f;
-    for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * group]);
-    for (int i = 0; i < d; i++) out[i] = 0.0f;
-    for (int c = 0; c < chunks; c++) {
-        const size_t at = first + (size_t)c * group;
-        const float weight = expf(s->part_max[at] - top);
-        total += weight * s->part_sum[at];
-        for (int i = 0; i < d; i++) out[i] += weight * s->part_out[at * d + i];
-    }
-    for (int i = 0; i < d; i++) out[i] /= total;
+    merge_partials(s, first, group, chunks, d, out);
 }
 
 /* y [rows, width] = x W^T for W stacked from parts, each writing its own columns. */

@@ -20,7 +20,7 @@
  * `up_weights`, the same values), applied per head in plain fp32.
  *
  * Included by llama_decode.c after the helpers it shares (exp8, hsum4, hmax, rms_norm, rope,
- * norm_quantize, stack_gemm); static like them. Float caches only (fp32, fp16, bf16, fp8 with
+ * norm_quantize, stack_gemm, merge_partials); static like them. Float caches only (fp32, fp16, bf16, fp8 with
  * its one static scale): load8 and store_row (kv_codecs.h) read and write the rows.
  */
 #ifndef KVLAB_MLA_ATTEND_H
@@ -279,19 +279,10 @@ static void mla_attend_layer(const llama_model *m, const llama_layer *l, const p
 #pragma omp for schedule(dynamic, 1)
     for (int unit = 0; unit < units; unit++) mla_attend_unit(m, l, v, unit, s);
 #pragma omp for schedule(static)
-    for (int rh = 0; rh < rows * hq; rh++) { /* merge each head's chunks, as combine_heads */
-        const int r = rh / hq, h = rh % hq, chunks = chunks_at(v->positions[r], 0);
-        const size_t first = (size_t)s->unit_first[0][r] * hq + h;
-        float *out = s->lat + (size_t)rh * rank, top = -INFINITY, total = 0.0f;
-        for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * hq]);
-        for (int i = 0; i < rank; i++) out[i] = 0.0f;
-        for (int c = 0; c < chunks; c++) {
-            const size_t at = first + (size_t)c * hq;
-            const float weight = expf(s->part_max[at] - top);
-            total += weight * s->part_sum[at];
-            for (int i = 0; i < rank; i++) out[i] += weight * s->part_out[at * rank + i];
-        }
-        for (int i = 0; i < rank; i++) out[i] /= total;
+    for (int rh = 0; rh < rows * hq; rh++) { /* each head's chunks merged: unit (r, chunk c) holds head h at c hq + h */
+        const int r = rh / hq;
+        merge_partials(s, (size_t)s->unit_first[0][r] * hq + rh % hq, hq, chunks_at(v->positions[r], 0), rank,
+                       s->lat + (size_t)rh * rank);
     }
 #pragma omp for schedule(static)
     for (int h = 0; h < hq; h++) /* each head's W_uv row read once for every row */
