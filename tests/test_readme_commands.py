@@ -105,6 +105,9 @@ SMALLEST: dict[str, list[str]] = {
         ["kvlab", "bench", "throughput", "smollm2-135m", "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
          "--max-num-seqs", "2", "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "fp16", "--baselines",
          "--no-llama-cpp", "--weights", "gguf-a8"],
+    "kvlab bench mla-decode smollm2-mla-full smollm2-mla-r96 smollm2-mla-r48 --threads 1 --repeats 11 "
+    "--json reports/mla-decode/smollm2-135m.json":
+        ["kvlab", "bench", "mla-decode", "smollm2-mla-r48", "--contexts", "64", "--rows", "1", "--repeats", "1"],
     "kvlab bench paged-decode --repeats 11 --block-sizes 16,64 --json reports/serving/paged_int8_fp16.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "16,64",
          "--json", "paged.json"],
@@ -170,7 +173,8 @@ SMALLEST: dict[str, list[str]] = {
 }
 
 # Sub-commands that take more than a few seconds even at their smallest (SmolLM2 loads, training, servers).
-SLOW_PREFIXES = ("kvlab eval", "kvlab calibrate-kv", "kvlab serve smollm2-135m", "kvlab draft", "kvlab bench",
+SLOW_PREFIXES = ("kvlab eval", "kvlab calibrate-kv", "kvlab serve smollm2-135m", "kvlab serve smollm2-mla", "kvlab draft",
+                 "kvlab bench",
                  "kvlab study", "kvlab uptrain", "kvlab convert smollm2", "kvlab export", "kvlab plan smollm2-mla")
 
 

@@ -100,8 +100,9 @@ def resolve_model_path(name: "str | os.PathLike[str]") -> str:
 
 
 # How a GGUF's quantised matrices are kept (`packing`): its blocks on int16 or int8 activations, dense
-# (dequantised once), or kvlab's own 4-bit planes.
-PACKINGS = ("gguf", "gguf-a8", "dense", "int4")
+# (dequantised once), kvlab's own 4-bit planes, or every matrix (a directory's safetensors included)
+# rounded to Q8_0 blocks at load, so that a GGUF and a converted directory compute alike.
+PACKINGS = ("gguf", "gguf-a8", "dense", "int4", "q8_0")
 WEIGHTS_CHOICES = ("auto", *PACKINGS)  # what --weights accepts everywhere; see resolve_packing for auto
 
 
@@ -113,7 +114,7 @@ def resolve_packing(weights: str = "auto", kv_heads: Optional[int] = None) -> st
     """
     if weights not in WEIGHTS_CHOICES:
         raise PlanError(f"--weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {weights!r}")
-    if kv_heads and weights in ("gguf", "gguf-a8", "int4"):
+    if kv_heads and weights in ("gguf", "gguf-a8", "int4", "q8_0"):
         raise PlanError("--kv-heads averages weights into new heads, which are no longer 4-bit; use --weights dense")
     if weights != "auto":
         return weights
@@ -130,12 +131,23 @@ def load_checkpoint(name: str, dtype: "Optional[torch.dtype]" = None, packing: s
     (Not kvlab.plan.loaders.load_model, which reads only a model's shape for the planner.)
 
     `packing` ("dense", "gguf", "gguf-a8", "int4") says how a GGUF's quantised matrices are kept (see
-    kvlab.checkpoints.gguf.load_gguf); HF directories are dense whatever it says.
+    kvlab.checkpoints.gguf.load_gguf); HF directories are dense under those. "q8_0" loads either dense
+    and rounds every projection and the LM head to Q8_0 blocks (kvlab.nn.pack.pack_q8_0): the C
+    decode step computes on blocks only, and a converted directory (`kvlab convert`, safetensors) is
+    then computed on with the same arithmetic as its source loaded the same way.
     """
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
     path = resolve_model_path(name)
+    if packing == "q8_0":
+        from kvlab.nn.pack import pack_q8_0
+        loaded = load_checkpoint(name, torch.float32, "dense")
+        try:
+            model = pack_q8_0(loaded.model, in_place=True).to(dtype)
+        except ValueError as error:
+            raise PlanError(f"--weights q8_0: {error}") from None
+        return LoadedModel(model, loaded.tokenizer, loaded.path, loaded.file_weight_bytes)
     if os.path.isdir(path):
         from kvlab.checkpoints.hf import load_hf
         model, tokenizer = load_hf(path, dtype)

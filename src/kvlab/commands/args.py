@@ -16,6 +16,8 @@ WEIGHTS_MEANING = {  # what each --weights choice computes on; a command's help 
                "perplexity on SmolLM2, near-tied tokens flip)",
     "dense": "dequantise to fp32, transformers' arithmetic",
     "int4": "PyTorch's int4 kernel (bf16 activations)",
+    "q8_0": "round every matrix (a converted directory's safetensors included) to Q8_0 blocks at load and compute "
+            "on them as gguf: a directory and its GGUF source then share one arithmetic and the C step",
     "auto": "gguf where its C kernels build, else dense, and dense with --kv-heads",
 }
 

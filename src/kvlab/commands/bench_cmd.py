@@ -32,12 +32,13 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
     from kvlab.commands import (bench_compare_cmd, bench_crossover_cmd, bench_decode_cmd, bench_lab_cmd,
-                                bench_paged_cmd, bench_real_models_cmd, bench_serve_cmd, bench_serving_cmd,
-                                bench_shared_cpu_cmd, bench_speculative_cmd)
+                                bench_mla_cmd, bench_paged_cmd, bench_real_models_cmd, bench_serve_cmd,
+                                bench_serving_cmd, bench_shared_cpu_cmd, bench_speculative_cmd)
     bench_serve_cmd.add_parser(benches)
     bench_compare_cmd.add_parser(benches)
     bench_decode_cmd.add_parser(benches)
     bench_paged_cmd.add_parser(benches)
+    bench_mla_cmd.add_parser(benches)
     bench_shared_cpu_cmd.add_parser(benches)
     bench_crossover_cmd.add_parser(benches)
     bench_serving_cmd.add_parsers(benches)

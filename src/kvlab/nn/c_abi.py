@@ -29,12 +29,14 @@ MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 MAX_LAYOUTS = 4  # distinct attention windows a model may have (full attention is one)
 PAGED_STEP_ARGS = 13  # llama_paged_step's parameters (kvlab.nn.kernels declares its argtypes from this)
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
+ATTENTIONS = {"gqa": 0, "mla": 1}  # csrc/llama_decode.h's ATTN_* (kvlab.nn.config.ATTENTION_KINDS)
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
              "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK,
              "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
              "PAGED_STEP_ARGS": PAGED_STEP_ARGS,
-             "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"]}
+             "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"],
+             "ATTN_GQA": ATTENTIONS["gqa"], "ATTN_MLA": ATTENTIONS["mla"]}
 
 
 class QMatrix(ctypes.Structure):
@@ -61,19 +63,22 @@ class KVPlane(ctypes.Structure):
 
 
 class LlamaLayer(ctypes.Structure):
-    """llama_decode.h's llama_layer: one layer's descriptor (norms, RoPE tables, window, KV group, matrices, cache)."""
+    """llama_decode.h's llama_layer: one layer's descriptor (norms, RoPE tables, window, KV group, matrices,
+    cache; an MLA layer's attention kind, latent norm and up-projections)."""
     _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("post_attn_norm", _ptr), ("post_mlp_norm", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr),
                 ("window", _int), ("group", _int), ("qkv", QStack), ("o", QMatrix),
-                ("gate_up", QStack), ("down", QMatrix), ("k", KVPlane), ("v", KVPlane)]
+                ("gate_up", QStack), ("down", QMatrix), ("k", KVPlane), ("v", KVPlane),
+                ("attention", _int), ("latent_norm", _ptr), ("w_uk", _ptr), ("w_uv", _ptr)]
 
 
 class LlamaModel(ctypes.Structure):
     _fields_ = [("n_layers", _int), ("dim", _int), ("n_heads", _int), ("n_kv_heads", _int), ("head_dim", _int),
                 ("hidden", _int), ("vocab", _int), ("n_groups", _int), ("rope_len", _int),
                 ("rope_interleaved", _int), ("cache_dtype", _int), ("group_size", _int), ("activation", _int),
-                ("eps", _float), ("query_scale", _float), ("layers", ctypes.POINTER(LlamaLayer)),
-                ("final_norm", _ptr), ("lm_head", QMatrix)]
+                ("eps", _float), ("query_scale", _float), ("kv_lora_rank", _int), ("qk_nope_dim", _int),
+                ("qk_rope_dim", _int), ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr),
+                ("lm_head", QMatrix)]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qacts": QActs, "qstack": QStack, "kv_plane": KVPlane,

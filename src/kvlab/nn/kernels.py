@@ -46,7 +46,7 @@ SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_v
            CSRC / "attend_int8_vnni.c", CSRC / "attend_fp8_vbmi.c", CSRC / "abi.c")  # built into one library
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h", CSRC / "x8_layout.h",
            CSRC / "x8_kernel.h", CSRC / "x16_kernel.h", CSRC / "attend_int8.h",
-           CSRC / "attend_fp8.h", CSRC / "attend_avx512.h", CSRC / "cpu_features.h")
+           CSRC / "attend_fp8.h", CSRC / "attend_avx512.h", CSRC / "cpu_features.h", CSRC / "mla_attend.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 

@@ -16,6 +16,10 @@ from AVX2's in the last digits (tests hold them to the same tolerance as the mod
 What it writes is what `KVPool.write` writes (the same rounding, the same int8/int4/int2
 codes), so the module path, which stays the reference, can run any later step.
 
+An MLA model's pool holds one latent row per token (kvlab.cache.pool: kv_heads 1, no values);
+the C step writes each row's latent and RoPE keys there and attends over them absorbed
+(csrc/mla_attend.h), in fp32, fp16, bf16 or fp8 pools.
+
 `paged_step_for(model, pool, max_rows)` returns a `PagedDecodeStep`, a callable
 (ids [S], StepBatch) -> logits [S, V] for steps where every sequence feeds one token, or
 None where `why_not_paged` names a reason (the engine then runs module by module).
@@ -71,8 +75,12 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     config = model.config
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
-    if pool.is_latent or pool.kivi is not None:
-        return "the C step reads K/V heads stored per token (not MLA latents, not KIVI)"
+    if pool.kivi is not None:
+        return "the C step reads K/V heads stored per token (not KIVI)"
+    if pool.is_latent != (config.attention == "mla"):
+        return "the pool's rows are not this model's (MLA latents for an MLA model, K/V heads otherwise)"
+    if pool.is_latent:
+        return _why_not_latent(config, pool)
     if any(group.sinks for group in pool.groups):
         return "the C step does not run the sinks + window policy (--kv-window); its steps run module by module"
     if any(pool.group(layer).window != config.window_of(layer) for layer in range(config.n_layers)):
@@ -87,6 +95,20 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
             or getattr(pool.codecs[0], "group_size", 0) != getattr(pool.codecs[1], "group_size", 0):
         return (f"the C step runs fp32, fp16, bf16, fp8, int8, int4 and int2 pools (groups of a multiple of 8 "
                 f"channels), one format for K and V, not {pool.kv_format.name}")
+    return None
+
+
+def _why_not_latent(config, pool: KVPool) -> Optional[str]:
+    """why_not_paged for an MLA model's latent pool."""
+    if any(group.sinks or group.window for group in pool.groups):
+        return "the C step's MLA layers attend fully; its steps run module by module under --kv-window"
+    width = config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim
+    if (pool.num_layers, pool.kv_heads, pool.k_head_dim) != (config.n_layers, 1, width):
+        return "the pool was not built for this model's layers and latent rows"
+    if pool.compute_dtype != torch.float32:
+        return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    if type(pool.codecs[0]) not in (FloatCodec, Fp8Codec) or _cache_code(pool.codecs[0], width) is None:
+        return f"the C step runs fp32, fp16, bf16 and fp8 latent pools, not {pool.kv_format.name}"
     return None
 
 
@@ -118,6 +140,9 @@ class PagedDecodeStep:
         for layer in range(pool.num_layers):
             pair = []
             for fields, side_codec in ((pool.k[layer], pool.codecs[0]), (pool.v[layer], pool.codecs[1])):
+                if fields is None:  # an MLA pool: the values are the latent, K's row
+                    pair.append(KVPlane(None, None, None, None))
+                    continue
                 scales = _fp8_scales(side_codec, heads)
                 if scales is not None:
                     self._keep.append(scales)
@@ -127,7 +152,7 @@ class PagedDecodeStep:
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
         layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
-        self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, model.config.head_size),
+        self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, pool.k_head_dim),
                                                   group_size, num_layers, layer_groups)
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)

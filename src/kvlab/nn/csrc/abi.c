@@ -28,17 +28,20 @@ static const abi_entry ABI[] = {
     FIELD(llama_layer, k_norm), FIELD(llama_layer, post_attn_norm), FIELD(llama_layer, post_mlp_norm),
     FIELD(llama_layer, rope_cos), FIELD(llama_layer, rope_sin), FIELD(llama_layer, window),
     FIELD(llama_layer, group), FIELD(llama_layer, qkv), FIELD(llama_layer, o), FIELD(llama_layer, gate_up),
-    FIELD(llama_layer, down), FIELD(llama_layer, k), FIELD(llama_layer, v),
+    FIELD(llama_layer, down), FIELD(llama_layer, k), FIELD(llama_layer, v), FIELD(llama_layer, attention),
+    FIELD(llama_layer, latent_norm), FIELD(llama_layer, w_uk), FIELD(llama_layer, w_uv),
     SIZE(llama_model), FIELD(llama_model, n_layers), FIELD(llama_model, dim), FIELD(llama_model, n_heads),
     FIELD(llama_model, n_kv_heads), FIELD(llama_model, head_dim), FIELD(llama_model, hidden),
     FIELD(llama_model, vocab), FIELD(llama_model, n_groups), FIELD(llama_model, rope_len),
     FIELD(llama_model, rope_interleaved), FIELD(llama_model, cache_dtype), FIELD(llama_model, group_size),
     FIELD(llama_model, activation), FIELD(llama_model, eps), FIELD(llama_model, query_scale),
+    FIELD(llama_model, kv_lora_rank), FIELD(llama_model, qk_nope_dim), FIELD(llama_model, qk_rope_dim),
     FIELD(llama_model, layers), FIELD(llama_model, final_norm), FIELD(llama_model, lm_head),
     CONSTANT(CACHE_F32), CONSTANT(CACHE_F16), CONSTANT(CACHE_BF16), CONSTANT(CACHE_FP8_E4M3),
     CONSTANT(CACHE_FP8_E5M2), CONSTANT(CACHE_INT8), CONSTANT(CACHE_INT4), CONSTANT(CACHE_INT2), CONSTANT(CHUNK),
     CONSTANT(MAX_GROUP), CONSTANT(QK),
     CONSTANT(MAX_LAYOUTS), CONSTANT(PAGED_STEP_ARGS), CONSTANT(ACT_SWIGLU), CONSTANT(ACT_GEGLU),
+    CONSTANT(ATTN_GQA), CONSTANT(ATTN_MLA),
 };
 
 int kvlab_abi_count(void) { return (int)(sizeof ABI / sizeof ABI[0]); }

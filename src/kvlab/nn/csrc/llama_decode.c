@@ -44,6 +44,8 @@ typedef struct {
     float *normed, *qkv, *att, *gate_up, *act;
     float *scores, *part_max, *part_sum, *part_out; /* attention's per-chunk work (attend_chunk) */
     float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
+    float *lat, *mq; /* MLA (mla_attend.h): each head's attended latent [rows, heads, rank], absorbed queries */
+    float *mla_rows; /* MLA: per thread, MLA_SUB cached rows widened to fp32 */
     qacts qa; /* the activations of the next product, quantised */
     /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
@@ -417,21 +419,27 @@ static void attend_unit(const llama_model *m, const llama_layer *l, const paged_
     }
 }
 
+/* One head's `chunks` softmax partials (largest score, sum of exp, exp-weighted values of `width`
+ * channels), at partial indices first, first + stride, ..., merged into out, as flash-decoding does. */
+static void merge_partials(const scratch *s, size_t first, size_t stride, int chunks, int width, float *out) {
+    float top = -INFINITY, total = 0.0f;
+    for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * stride]);
+    for (int i = 0; i < width; i++) out[i] = 0.0f;
+    for (int c = 0; c < chunks; c++) {
+        const size_t at = first + (size_t)c * stride;
+        const float weight = expf(s->part_max[at] - top);
+        total += weight * s->part_sum[at];
+        for (int i = 0; i < width; i++) out[i] += weight * s->part_out[at * width + i];
+    }
+    for (int i = 0; i < width; i++) out[i] /= total;
+}
+
 /* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
 static void combine_heads(const llama_model *m, const paged_view *v, int r, int h, const scratch *s, float *out) {
     const int L = s->layout, d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
     const int chunks = chunks_at(v->positions[r], s->layout_window[L]), kvh = h / group, j = h % group;
     const size_t first = ((size_t)s->unit_first[L][r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
-    float top = -INFINITY, total = 0.0f;
-    for (int c = 0; c < chunks; c++) top = fmaxf(top, s->part_max[first + (size_t)c * group]);
-    for (int i = 0; i < d; i++) out[i] = 0.0f;
-    for (int c = 0; c < chunks; c++) {
-        const size_t at = first + (size_t)c * group;
-        const float weight = expf(s->part_max[at] - top);
-        total += weight * s->part_sum[at];
-        for (int i = 0; i < d; i++) out[i] += weight * s->part_out[at * d + i];
-    }
-    for (int i = 0; i < d; i++) out[i] /= total;
+    merge_partials(s, first, group, chunks, d, out);
 }
 
 /* y [rows, width] = x W^T for W stacked from parts, each writing its own columns. */
@@ -457,16 +465,18 @@ static int layout_of(const scratch *s, int window) {
     return 0; /* unreachable: llama_paged_step made one per window */
 }
 
-static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *view, float *x,
-                       const scratch *shared) {
-    const int rows = view->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = view->block_size;
+/* MLA layers' attention: in its own file, using the helpers above. */
+#include "mla_attend.h"
+
+/* Attention units per row and chunk: one per KV head, or one for every head of an MLA model
+ * (its heads all read one latent row: mla_attend.h). */
+static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
+
+/* A GQA layer's attention for every row: s->att [rows, n_heads head_dim] receives the heads' outputs. */
+static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const paged_view *v, const float *x,
+                             scratch *s) {
+    const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
     const int width = (hq + 2 * hkv) * d;
-    paged_view lv = *view; /* this layer's KV group and window, in each thread's own copies */
-    lv.tables = view->block_tables + (size_t)l->group * rows * view->max_blocks;
-    scratch ls = *shared;
-    ls.layout = layout_of(shared, l->window);
-    const paged_view *v = &lv;
-    scratch *s = &ls;
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp for schedule(static)
@@ -494,6 +504,21 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
+}
+
+static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *view, float *x,
+                       const scratch *shared) {
+    const int rows = view->rows, d = m->head_dim, hq = m->n_heads;
+    paged_view lv = *view; /* this layer's KV group and window, in each thread's own copies */
+    lv.tables = view->block_tables + (size_t)l->group * rows * view->max_blocks;
+    scratch ls = *shared;
+    ls.layout = layout_of(shared, l->window);
+    const paged_view *v = &lv;
+    scratch *s = &ls;
+    if (l->attention == ATTN_MLA)
+        mla_attend_layer(m, l, v, x, s);
+    else
+        gqa_attend_layer(m, l, v, x, s);
     quantize_act(s->att, (size_t)rows * hq * d, &s->qa);
     if (l->post_attn_norm) {
         qmatrix_gemm(&l->o, rows, &s->qa, s->sub, m->dim, 0);
@@ -553,18 +578,24 @@ static void *arena_reserve(kvlab_arena *a, size_t bytes) {
 static size_t carve(const llama_model *m, int rows, int units, int all_units, char *base, scratch *s) {
     const int widest = m->hidden > m->dim ? m->hidden : m->dim;
     const int attn_width = m->n_heads * m->head_dim > widest ? m->n_heads * m->head_dim : widest;
-    const size_t chunk_heads = (size_t)units * (m->n_heads / m->n_kv_heads); /* (unit, query head) pairs */
+    const size_t chunk_heads = (size_t)units * (m->n_heads / unit_heads(m)); /* (unit, query head) pairs */
+    const int mla = m->kv_lora_rank > 0, rank = m->kv_lora_rank;
+    const int unit_out = mla && rank > m->head_dim ? rank : m->head_dim; /* a (unit, head)'s partial output */
+    const size_t qkv_width = mla ? (size_t)mla_qkv_width(m) : (size_t)(m->n_heads + 2 * m->n_kv_heads) * m->head_dim;
     const size_t sizes[] = {
         (size_t)rows * m->dim * sizeof(float),
-        (size_t)rows * (m->n_heads + 2 * m->n_kv_heads) * m->head_dim * sizeof(float),
+        (size_t)rows * qkv_width * sizeof(float),
         (size_t)rows * m->n_heads * m->head_dim * sizeof(float),
         (size_t)rows * 2 * m->hidden * sizeof(float),
         (size_t)rows * m->hidden * sizeof(float),
         chunk_heads * CHUNK * sizeof(float),
         chunk_heads * sizeof(float),
         chunk_heads * sizeof(float),
-        chunk_heads * m->head_dim * sizeof(float),
+        chunk_heads * unit_out * sizeof(float),
         (size_t)rows * m->dim * sizeof(float),
+        mla ? (size_t)rows * m->n_heads * rank * sizeof(float) : 0,
+        mla ? (size_t)rows * m->n_heads * mla_query_width(m) * sizeof(float) : 0,
+        mla ? (size_t)omp_get_max_threads() * MLA_SUB * mla_row_width(m) * sizeof(float) : 0,
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
@@ -576,7 +607,8 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
 
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
-                      (void **)&s->part_out, (void **)&s->sub, (void **)&s->qa.q, (void **)&s->qa.d,
+                      (void **)&s->part_out, (void **)&s->sub, (void **)&s->lat, (void **)&s->mq, (void **)&s->mla_rows,
+                      (void **)&s->qa.q, (void **)&s->qa.d,
                       (void **)&s->qa.s, (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
                       (void **)&s->unit_table};
     size_t at = 0;
@@ -585,6 +617,28 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
         at += aligned(sizes[i]);
     }
     return at;
+}
+
+/* An MLA model's descriptor (mla_attend.h), checked before any step: 0, or -4 for one the step
+ * cannot run. Every layer attends alike: all MLA (kv_lora_rank > 0) or none. */
+static int check_mla(const llama_model *m) {
+    const int mla = m->kv_lora_rank != 0;
+    for (int i = 0; i < m->n_layers; i++) {
+        const llama_layer *l = &m->layers[i];
+        if (l->attention != ATTN_GQA && l->attention != ATTN_MLA) return -4;
+        if ((l->attention == ATTN_MLA) != mla) return -4;
+        if (mla && (l->window || !l->w_uv || !l->k.data || (m->qk_nope_dim > 0) != (l->w_uk != NULL) || l->q_norm ||
+                    l->k_norm || l->qkv.parts < 2))
+            return -4;
+    }
+    if (!mla) return 0;
+    int qkv_rows = 0;
+    for (int p = 0; p < m->layers[0].qkv.parts; p++) qkv_rows += m->layers[0].qkv.part[p].n;
+    if (m->kv_lora_rank < 0 || m->kv_lora_rank % 8 || m->qk_rope_dim < 8 || m->qk_rope_dim % 8 || m->qk_nope_dim < 0 ||
+        m->head_dim % 8 || m->cache_dtype > CACHE_FP8_E5M2 || qkv_rows != mla_qkv_width(m) ||
+        m->layers[0].o.k != m->n_heads * m->head_dim)
+        return -4;
+    return 0;
 }
 
 /* The checks that keep a bad argument from writing outside the cache: 0 or the error code. Each
@@ -600,6 +654,8 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
         return -4;
     for (int i = 0; i < m->n_layers; i++)
         if (m->layers[i].group < 0 || m->layers[i].group >= m->n_groups || m->layers[i].window < 0) return -2;
+    const int status = check_mla(m);
+    if (status) return status;
     for (int i = 0; i < m->n_layers; i++) {
         const int g = m->layers[i].group, window = m->layers[i].window;
         for (int r = 0; r < rows; r++) {
@@ -662,7 +718,7 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
     int units = 0, all_units = 0; /* the widest layout's units (scratch is per layer), and all layouts' */
     for (int L = 0; L < s.layouts; L++) {
         int n = 0;
-        for (int r = 0; r < rows; r++) n += m->n_kv_heads * chunks_at(positions[r], s.layout_window[L]);
+        for (int r = 0; r < rows; r++) n += unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
         units = n > units ? n : units;
         all_units += n;
     }
@@ -674,7 +730,7 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
         s.unit_row[L] = s.unit_table + (size_t)MAX_LAYOUTS * (rows + 1) + used;
         s.unit_first[L][0] = 0;
         for (int r = 0; r < rows; r++) {
-            s.unit_first[L][r + 1] = s.unit_first[L][r] + m->n_kv_heads * chunks_at(positions[r], s.layout_window[L]);
+            s.unit_first[L][r + 1] = s.unit_first[L][r] + unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
             for (int u = s.unit_first[L][r]; u < s.unit_first[L][r + 1]; u++) s.unit_row[L][u] = r;
         }
         used += s.unit_first[L][rows];

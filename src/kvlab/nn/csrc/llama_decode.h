@@ -32,6 +32,12 @@ static inline int cache_code_bits(int dtype) { return dtype == CACHE_INT4 ? 4 : 
 #define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
 #define PAGED_STEP_ARGS 13 /* llama_paged_step's parameters: its ctypes binding declares as many */
 
+/* How a layer attends (llama_layer.attention). */
+enum {
+    ATTN_GQA = 0, /* K and V heads per token (MHA, GQA, MQA) */
+    ATTN_MLA = 1, /* DeepSeek-V2's latent: one row [latent, RoPE keys] per token, absorbed attention (mla_attend.h) */
+};
+
 /* The MLP's gate (llama_model.activation). */
 enum {
     ACT_SWIGLU = 0, /* silu(gate) * up: Llama */
@@ -85,6 +91,14 @@ typedef struct {
     qstack gate_up;                              /* [2 hidden, dim]: gate rows, then up rows */
     qmatrix down;                                /* [dim, hidden] */
     kv_plane k, v;
+    /* ATTN_MLA (mla_attend.h): qkv stacks the query rows (per head qk_nope_dim position-free channels,
+     * then qk_rope_dim rotated ones) and the latent's rows (kv_lora_rank, then n_kv_heads RoPE keys of
+     * qk_rope_dim); k holds the cached rows [blocks, 1, block_size, kv_lora_rank + n_kv_heads qk_rope_dim]
+     * and v is unused: the values are the latent, the first kv_lora_rank channels of K's row. */
+    int attention;             /* ATTN_* */
+    const float *latent_norm;  /* MLA: [kv_lora_rank] RMSNorm of the latent before it is cached, or NULL */
+    const float *w_uk;         /* MLA: [n_heads, qk_nope_dim, kv_lora_rank], folded into each query; NULL iff qk_nope_dim is 0 */
+    const float *w_uv;         /* MLA: [n_heads, head_dim, kv_lora_rank]: each head's output from its attended latent */
 } llama_layer;
 
 /* The model and the cache's format; how many rows a step runs and where they sit in the cache
@@ -99,6 +113,10 @@ typedef struct {
     int activation;       /* ACT_* */
     float eps;
     float query_scale;    /* the attention logits' scale; 0: 1 / sqrt(head_dim) */
+    /* MLA models (every layer ATTN_MLA; 0 elsewhere): n_kv_heads counts the RoPE keys (query head h
+     * reads key h / (n_heads / n_kv_heads)), head_dim is the value head dim (the output projection's
+     * input per head), the RoPE tables are qk_rope_dim wide. */
+    int kv_lora_rank, qk_nope_dim, qk_rope_dim;
     const llama_layer *layers;
     const float *final_norm;
     qmatrix lm_head;
