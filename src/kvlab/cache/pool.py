@@ -35,6 +35,7 @@ from kvlab.cache.kivi_pool import KiviPlanes
 from kvlab.cache.kvquant_pool import KVQuantPlanes
 from kvlab.cache.kv_groups import RELEASED, KVGroup, model_groups
 from kvlab.plan.kv_formats import FLOAT, GROUP, KIVI, KVQUANT, KVFormat, resolve_kv_format
+from kvlab.plan.pool_capacity import DEFAULT_BLOCK_SIZE  # noqa: F401 (kvlab.cache.pool.DEFAULT_BLOCK_SIZE)
 
 Fields = dict[str, Tensor]  # codec field -> [num_blocks, kv_heads, block_size, width]
 
@@ -46,8 +47,7 @@ LAZY_ZEROS_BYTES = 1 << 20
 # CPUs int8 decode then ran only 1.19-1.35x fp16's speed at 4,096 tokens and 16 rows, at 64
 # 1.42-1.50x, and fp16 itself 0.99-1.19x faster (`kvlab bench paged-decode`). vLLM's CPU
 # backend defaults to 128 and warns below multiples of 32; 64 measured as fast as 128 and keeps
-# prefix caching finer.
-DEFAULT_BLOCK_SIZE = 64
+# prefix caching finer. (The number lives with the plan's arithmetic of the engine's pool.)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

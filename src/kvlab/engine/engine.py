@@ -35,7 +35,7 @@ from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
 from kvlab.plan.kv_formats import KVQUANT
-from kvlab.plan.pool_capacity import engine_capacity, uses_seats
+from kvlab.plan.pool_capacity import DEFAULT_MAX_NUM_SEQS, engine_capacity, uses_seats
 
 log = logging.getLogger("kvlab.engine")
 DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
@@ -49,7 +49,7 @@ class EngineConfig:
     kv_cache_memory: Optional[Union[int, str]] = None  # bytes or "2GiB"; None: a share of available memory
     kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
     block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's own context length
     max_wait_ms: float = 0.0

@@ -23,6 +23,10 @@ from kvlab.plan.kv_formats import KIVI, KVQUANT, SINK_BYTES, kvquant_row_bytes, 
 from kvlab.plan.spec import ModelSpec
 from kvlab.plan.vllm_blocks import GIB, vllm_capacity
 
+# kvlab's engine defaults (`kvlab serve`'s --block-size and --max-num-seqs), for plans of its pool
+DEFAULT_BLOCK_SIZE = 64  # why 64: kvlab.cache.pool
+DEFAULT_MAX_NUM_SEQS = 64
+
 
 def kivi_block_bytes(spec: ModelSpec, formats: CacheFormats, block_size: int) -> int:
     """Bytes of one block of `block_size` quantised tokens over every layer."""
@@ -91,8 +95,8 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
     tokens = num_blocks * block_size
     concurrency = num_blocks / -(-max_model_len // block_size)
     if kvquant:
-        seat_line = (f"{name}: {seats} seats' sink tokens and key outliers for {max_model_len:,} tokens take "
-                     f"{residual / 2**20:.2f} MiB of it, the codebooks and key ranges {fixed / 2**10:.2f} KiB")
+        seat_line = (f"{name}: {seats} seats' sinks and key outliers for {max_model_len:,} tokens take "
+                     f"{residual / 2**20:.2f} MiB of it; codebooks and key ranges {fixed / 2**10:.2f} KiB")
     else:
         seat_line = (f"{name}: {seats} seats' full-precision residuals of "
                      f"{formats.k.residual + formats.k.group_size} tokens take {residual / 2**20:.2f} MiB of it")
