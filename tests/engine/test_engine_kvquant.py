@@ -1,4 +1,4 @@
-"""KVQuant through the engine: greedy tokens equal the lab's own KVQuantCache (kvlab.cache.kvquant, pre-RoPE keys
+"""KVQuant (and pre-RoPE int4) through the engine: greedy tokens equal the lab's own KVQuantCache (kvlab.cache.kvquant, pre-RoPE keys
 rotated on read, the sink in fp16, the key outliers' pool) decoding each prompt alone, with requests joining
 mid-flight, preemption (a pool too small for all of them, so sequences are recomputed in other chunks) and prefix
 caching asked for; the pool's bytes are the plan's blocks, seats and fixed bytes, and it is free afterwards.
@@ -105,3 +105,25 @@ def test_kvquant_with_a_window_or_another_models_calibration_is_refused_in_one_l
     save_calibration(random_calibration(ModelConfig(vocab_size=32, n_layers=2, dim=32, n_heads=4, n_kv_heads=2)), other)
     with pytest.raises(KvlabError, match="was calibrated for 2 layers"):
         make_engine(stories_model, stories_tokenizer, kv_cache_dtype="kvquant4", kv_calibration=str(other))
+
+
+def test_pre_rope_int4_equals_the_lab_cache(stories_model, stories_tokenizer):
+    """`kvlab eval --pre-rope-keys`'s int4 (the real-models report's int4+prerope row) through the engine: keys
+    stored before RoPE in int4 rows and rotated once read, as the lab's pre-RoPE cache does; no C step."""
+    model, tok = stories_model, stories_tokenizer
+    engine = make_engine(model, tok, kv_cache_dtype="int4", pre_rope_keys=True, block_size=8,
+                         max_num_batched_tokens=24, kv_cache_memory=11 * 8 * 5 * 4 * 2 * 8, paged_step=True)
+    assert engine.pool.pre_rope and engine.decode_path == "module by module"
+    work = list(zip(PROMPTS[:4], [40, 25, 33, 50]))
+    wanted, got = {}, {}
+    for i, (prompt, n) in enumerate(work):
+        ids = tok.encode(prompt)
+        cache = model.new_cache(1, len(ids) + n, "int4", pre_rope=True)
+        want = generate(model, ids, n, stop_ids=[tok.eos_id], cache=cache)[0].tolist()
+        wanted[engine.add_request(prompt, greedy(n)).request_id] = want
+        for _ in range(3 * i):
+            collect(engine.step(), got)
+    run_all(engine, got)
+    assert got == wanted
+    assert engine.scheduler.num_preemptions > 0
+    assert_pool_free(engine)

@@ -7,15 +7,17 @@ says which). Each setting's figure is one `kvlab.bench.throughput.run_engine` ru
 same random prompts, after a warm-up on a prompt of its own, kept in engine_throughput.json
 with the run's provenance; a setting already there is not measured again.
 
-Settings the engine's paged pool does not serve (KVQuant, pre-RoPE keys) and the in-memory
-KV-head and MLA conversions (the engine loads the GGUF blocks, which are not converted) get no
-figure.
+Every KV format and pre-RoPE keys are served (KVQuant with the study's calibration); the in-memory
+KV-head and MLA conversions get no figure here: this run loads the GGUF blocks, which are not
+converted (the engine serves a converted checkpoint, `kvlab convert` then `kvlab serve OUT`, but on
+dense weights its speed is not comparable with these rows').
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from kvlab.evals.setting import KVSetting
 from kvlab.files import write_json
@@ -26,8 +28,8 @@ FILE = "engine_throughput.json"
 
 
 def served(setting: KVSetting) -> bool:
-    """Whether the engine serves this setting on the unconverted model."""
-    return setting.in_paged_pool and setting.kv_heads is None and setting.mla_rank is None
+    """Whether this run measures the setting: every cache setting of the unconverted model."""
+    return setting.kv_heads is None and setting.mla_rank is None
 
 
 def load(out: Path) -> dict:
@@ -45,8 +47,9 @@ def pending(out: Path, settings: list[KVSetting]) -> list[KVSetting]:
     return [s for s in settings if served(s) and s.label not in done]
 
 
-def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dict:
-    """One setting's run, added to engine_throughput.json (written atomically) and returned."""
+def measure(out: Path, model_name: str, setting: KVSetting, threads: int, calibration: Optional[Path] = None) -> dict:
+    """One setting's run, added to engine_throughput.json (written atomically) and returned; a KVQuant setting
+    reads `calibration`."""
     import torch
 
     from kvlab.bench.provenance import provenance
@@ -57,7 +60,8 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     model, tokenizer = load_for_engine(model_name, threads=threads)
     engine = LLMEngine(model, tokenizer, EngineConfig(
         kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
-        kv_window=setting.window, sink_tokens=setting.sinks))
+        kv_window=setting.window, sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+        kv_calibration=str(calibration) if setting.is_kvquant and calibration else None))
     prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special_ids(tokenizer))
     run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
     figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)

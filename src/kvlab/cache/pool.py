@@ -69,7 +69,7 @@ class KVPool:
                  block_size: int, fmt: KVFormat, compute_dtype: torch.dtype = torch.float32,
                  k_scale: Scale = 1.0, v_scale: Scale = 1.0, device: torch.device | str | None = None,
                  groups: Optional[Sequence[KVGroup]] = None, seats: int = 0, calibration=None,
-                 max_tokens: int = 0) -> None:
+                 max_tokens: int = 0, pre_rope: bool = False) -> None:
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("k_head_dim", k_head_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -94,8 +94,12 @@ class KVPool:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         slots = max(len(group.layers) for group in self.groups)
         self.seats, self.kivi, self.kvquant = seats, None, None
-        # keys stored before RoPE (KVQuant's per-channel keys): attention rotates what the pool returns
-        self.pre_rope = fmt.scheme == KVQUANT
+        # keys stored before RoPE (KVQuant's per-channel keys, or `kvlab eval --pre-rope-keys` in any row format):
+        # attention rotates what the pool returns at positions 0.., so every position must be held
+        self.pre_rope = fmt.scheme == KVQUANT or pre_rope
+        if self.pre_rope and (fmt.scheme == KIVI or not v_head_dim or any(g.windowed for g in self.groups)):
+            raise CacheError("pre-RoPE keys are stored by K/V pools of full-attention layers in a per-token or "
+                             "KVQuant format (no KIVI, MLA or windows)")
         if fmt.scheme in (KIVI, KVQUANT):  # rows in blocks and state per seat (kivi_pool, kvquant_pool)
             if not v_head_dim or any(group.windowed for group in self.groups):
                 raise CacheError(f"{fmt.name} pools hold K/V heads of full-attention layers (no MLA, no windows)")
@@ -123,7 +127,7 @@ class KVPool:
                   compute_dtype: torch.dtype = torch.float32, group_size: Optional[int] = None,
                   device: torch.device | str | None = None, kv_window: Optional[int] = None,
                   sink_tokens: int = 0, seats: int = 0, residual: Optional[int] = None, calibration=None,
-                  max_tokens: int = 0) -> "KVPool":
+                  max_tokens: int = 0, pre_rope: bool = False) -> "KVPool":
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
         as the plan groups them (kvlab.plan.vllm_groups.kv_groups), under an optional sinks + window policy."""
         fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size, residual)
@@ -134,7 +138,7 @@ class KVPool:
                        num_blocks, block_size, fmt, compute_dtype, device=device, groups=groups)
         return cls(config.n_layers, config.kv_heads, config.head_size, config.head_size, num_blocks, block_size, fmt,
                    compute_dtype, device=device, groups=groups, seats=seats, calibration=calibration,
-                   max_tokens=max_tokens)
+                   max_tokens=max_tokens, pre_rope=pre_rope)
 
     def _alloc(self, codec: RowCodec) -> Fields:
         return {name: zeroed((self.num_blocks, self.kv_heads, self.block_size, width), dtype, self.device)

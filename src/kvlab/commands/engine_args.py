@@ -29,6 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--kv-calibration", metavar="FILE",
                        help="kvquant3/kvquant4's codebooks and key ranges, from `kvlab calibrate-kv` (default: the "
                             "file it writes beside the model, as `kvlab eval` reads it)")
+    cache.add_argument("--pre-rope-keys", action="store_true",
+                       help="cache keys before RoPE and rotate them once read, as `kvlab eval --pre-rope-keys` "
+                            "measures (module-by-module steps; kvquant3/kvquant4 always do)")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
@@ -91,5 +94,6 @@ def engine_from_args(args: argparse.Namespace):
                           sink_tokens=args.sink_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size,
-                          kv_calibration=kv_calibration_for(args.model, args.kv_cache_dtype, args.kv_calibration))
+                          kv_calibration=kv_calibration_for(args.model, args.kv_cache_dtype, args.kv_calibration),
+                          pre_rope_keys=args.pre_rope_keys)
     return LLMEngine(model, tokenizer, config)

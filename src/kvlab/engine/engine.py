@@ -66,6 +66,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # kvquant3/kvquant4's codebooks and key ranges (`kvlab calibrate-kv`), as `kvlab eval --kv-calibration`
     kv_calibration: Optional[str] = None
+    # keys cached before RoPE and rotated once read (`kvlab eval --pre-rope-keys`; KVQuant's always are)
+    pre_rope_keys: bool = False
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
@@ -163,6 +165,9 @@ class LLMEngine:
         # KIVI and KVQuant keep state per seat (kvlab.cache.kivi_pool, kvquant_pool): a KIVI residual, KVQuant's sinks
         # and key outliers
         seated = uses_seats(formats)
+        if config.pre_rope_keys and windowed:
+            raise RequestError("--pre-rope-keys rotates every cached key at its position; --kv-window drops "
+                               "positions", "pre_rope_keys")
         if seated and (self.speculative is not None or windowed):
             raise RequestError(f"{formats.k.name} pools keep per-sequence state in seats; speculative decoding and "
                                "--kv-window are not supported with them", "kv_cache_dtype")
@@ -192,7 +197,8 @@ class LLMEngine:
                                f"{mc.name} has sliding layers", "speculative_config")
         self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
                                      kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats,
-                                     calibration=calibration, max_tokens=self.max_model_len)
+                                     calibration=calibration, max_tokens=self.max_model_len,
+                                     pre_rope=config.pre_rope_keys)
         draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
             if draft is not None else None
         # a KIVI pool's blocks hold what was quantised when they were written, which depends on the
@@ -204,7 +210,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.paged_step:
+        if config.paged_step and not self.pool.pre_rope:  # the C step reads keys rotated when written
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
