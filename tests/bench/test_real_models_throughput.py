@@ -8,17 +8,19 @@ from kvlab.bench import real_models_throughput as throughput
 from needs import STORIES, require_file
 
 
-def test_measured_settings_are_every_cache_setting_of_the_unconverted_model():
+def test_measured_settings_are_every_one_but_the_uptrained_conversion():
     assert throughput.served(KVSetting("fp16")) and throughput.served(KVSetting("int8"))
     assert throughput.served(KVSetting("fp16", window=256, sinks=4)) and throughput.served(KVSetting("kivi2"))
     assert throughput.served(KVSetting("kvquant3")) and throughput.served(KVSetting("int4", pre_rope=True))
     for setting in (KVSetting("fp16", kv_heads=1), KVSetting("fp16", mla_rank=16, mla_rope=4)):
-        assert not throughput.served(setting)
+        assert throughput.served(setting) and throughput.converted(setting)  # on dense weights
+    assert not throughput.converted(KVSetting("kvquant3"))
+    assert not throughput.served(KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=160))
 
 
 def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     require_file(STORIES, "../shared/models/stories260K.gguf")
-    settings = [KVSetting("fp16"), KVSetting("fp16", kv_heads=1)]
+    settings = [KVSetting("fp16"), KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=160)]
     assert throughput.pending(tmp_path, settings) == [KVSetting("fp16")]
     figures = throughput.measure(tmp_path, str(STORIES), KVSetting("fp16"), threads=1)
     assert figures["num_requests"] == throughput.REQUESTS
@@ -31,6 +33,8 @@ def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     from kvlab.report.real_models import cell
     assert cell(throughput.load(tmp_path)["rows"]["fp16"]).startswith(f"{figures['output_tokens_per_s']:.1f}")
     assert cell(throughput.load(tmp_path)["rows"].get("kvquant3")) is None
+    assert cell({"output_tokens_per_s": 9.04, "decode_path": "module by module", "weights": "dense"}) == \
+        "9.0 (module by module, dense weights)"
 
 
 def test_only_names_steps_by_key_prefix():

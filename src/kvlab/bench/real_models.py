@@ -34,6 +34,7 @@ OUT = Path(__file__).resolve().parents[3] / "reports" / "real-models"
 CALIBRATION_TEXT = "pride-and-prejudice.txt"  # calibrate on one novel, evaluate on another
 WINDOW, SINKS = 256, 4
 ENGINE_MEMORY = 256 * 2**20  # the engine's pool for its capacity line (host memory here)
+ENGINE_SEATS = throughput.REQUESTS  # its --max-num-seqs: KIVI and KVQuant keep state per seat
 
 SETTINGS = [
     KVSetting("fp16"), KVSetting("fp8"), KVSetting("int8"), KVSetting("int4"), KVSetting("kivi4"),
@@ -83,13 +84,16 @@ def measure(out: Path, max_seconds: float, threads: int, only: Optional[str] = N
     started = time.monotonic()
     wanted = step_keys(only)
     jobs = evaluate(out, SMOLLM2, started, max_seconds, threads, wanted)
+    dense = None  # loaded for the first converted setting's throughput
     for setting in throughput.pending(out, SETTINGS):  # the throughput column, once those cells are in
         if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
             break
         if not wanted(f"throughput:{setting.label}"):
             continue
         print(f"real_models: engine throughput, {setting.label}", file=sys.stderr)
-        throughput.measure(out, MODEL, setting, threads, out / SMOLLM2.calibration)
+        if throughput.converted(setting) and dense is None:
+            dense = load_model(MODEL, torch.float32, "dense")
+        throughput.measure(out, MODEL, setting, threads, out / SMOLLM2.calibration, dense)
     # the uptrained row last (the longest): its training run in slices, then its cells on its own weights
     while wanted("uptrain") and not uptrain.finished() and time.monotonic() - started <= max_seconds:
         print("real_models: uptraining the 1-KV-head conversion (a slice)", file=sys.stderr)
@@ -184,6 +188,7 @@ def engine_line(setting: KVSetting, model, calibration: Path) -> Optional[str]:
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
                                                  max_model_len=SERVE_CONTEXT, paged_step=False, kv_window=setting.window,
                                                  sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+                                                 max_num_seqs=ENGINE_SEATS,
                                                  kv_calibration=str(calibration) if setting.is_kvquant else None))
     line = next(line for line in engine.capacity_lines if "Maximum concurrency" in line)
     return line[line.index("Maximum concurrency"):]
