@@ -93,6 +93,7 @@ class KVPool:
         self.kv_format, self.compute_dtype = fmt, compute_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         slots = max(len(group.layers) for group in self.groups)
+        # KIVI's and KVQuant's storage: rows in blocks and state per seat (kivi_pool, kvquant_pool)
         self.seats, self.kivi, self.kvquant = seats, None, None
         # keys stored before RoPE (KVQuant's per-channel keys, or `kvlab eval --pre-rope-keys` in any row format):
         # attention rotates what the pool returns at positions 0.., so every position must be held
@@ -100,7 +101,7 @@ class KVPool:
         if self.pre_rope and (fmt.scheme == KIVI or not v_head_dim or any(g.windowed for g in self.groups)):
             raise CacheError("pre-RoPE keys are stored by K/V pools of full-attention layers in a per-token or "
                              "KVQuant format (no KIVI, MLA or windows)")
-        if fmt.scheme in (KIVI, KVQUANT):  # rows in blocks and state per seat (kivi_pool, kvquant_pool)
+        if fmt.scheme in (KIVI, KVQUANT):
             if not v_head_dim or any(group.windowed for group in self.groups):
                 raise CacheError(f"{fmt.name} pools hold K/V heads of full-attention layers (no MLA, no windows)")
             if fmt.scheme == KIVI:
@@ -111,10 +112,12 @@ class KVPool:
                     raise CacheError(f"{fmt.name} pools hold equal K and V heads, with a calibration per layer")
                 self.kvquant = KVQuantPlanes(fmt, calibration, num_blocks, block_size, kv_heads, k_head_dim, seats,
                                              max_tokens or num_blocks * block_size, self.device, zeroed)
+            self.planes = self.kivi or self.kvquant
             self.codecs = (None, None)
             self.k = self.v = [None] * num_layers
             self._slots = []
             return
+        self.planes = None
         self.codecs = (make_codec(fmt, k_head_dim, k_scale), make_codec(fmt, v_head_dim, v_scale) if v_head_dim else None)
         k_slots = [self._alloc(self.codecs[0]) for _ in range(slots)]
         v_slots = [self._alloc(self.codecs[1]) for _ in range(slots)] if v_head_dim else [None] * slots
@@ -157,13 +160,9 @@ class KVPool:
         """Store a step's new keys k [N, H, Dk] and values v [N, H, Dv] (None in an MLA pool) of layer
         `layer` where `step` (a kvlab.cache.StepBatch) places them."""
         group = self.group_of[layer]
-        if self.kivi is not None:
-            self.kivi.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
-                            step.query_lens, step.group_tables[group], step.seats)
-            return
-        if self.kvquant is not None:
-            self.kvquant.store(layer, k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
-                               step.query_lens, step.group_tables[group], step.seats)
+        if self.planes is not None:
+            self.planes.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
+                              step.query_lens, step.group_tables[group], step.seats)
             return
         self.write(layer, k, v, step.group_slots[group])
 
@@ -217,11 +216,8 @@ class KVPool:
         or a window that hides nothing yet)."""
         g = self.group_of[layer]
         table, new, context = step.group_tables[g][s], step.query_lens[s], step.context_lens[s]
-        if self.kivi is not None:
-            keys, values = self.kivi.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
-            return keys, values, None
-        if self.kvquant is not None:
-            keys, values = self.kvquant.read(layer, table, step.seats[s], context, self.compute_dtype)
+        if self.planes is not None:
+            keys, values = self.planes.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
             return keys, values, None
         group = self.groups[g]
         need = -(-context // self.block_size)
@@ -247,8 +243,8 @@ class KVPool:
 
     def tensors(self) -> Iterator[Tensor]:
         """Each tensor of the pool once (layers of different groups share a slot's tensors)."""
-        if self.kivi is not None or self.kvquant is not None:
-            return (self.kivi or self.kvquant).tensors()
+        if self.planes is not None:
+            return self.planes.tensors()
         return chain.from_iterable(fields.values() for fields in self._slots)
 
     def nbytes(self) -> int:
