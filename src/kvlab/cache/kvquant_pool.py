@@ -78,8 +78,9 @@ class KVQuantPlanes:
 
     def store(self, layer: int, k: Tensor, v: Tensor, starts: Sequence[int], lens: Sequence[int],
               tables: Sequence[Sequence[int]], seats: Sequence[int]) -> None:
-        """Sequence s's new pre-RoPE keys and values (rows of k [N, H, D] and v [N, H, D], packed in
-        order) at positions starts[s].., into its blocks `tables[s]` and its seat seats[s]."""
+        """Each sequence's new pre-RoPE keys and values (rows of k [N, H, D] and v [N, H, D], packed in
+        order) of layer `layer` (the pool's slot: a KVQuant pool is one group of every layer) at positions
+        starts[s].., into its blocks `tables[s]` and its seat seats[s]."""
         at = 0
         for start, new, table, seat in zip(starts, lens, tables, seats):
             kn, vn = k[at:at + new].transpose(0, 1), v[at:at + new].transpose(0, 1)  # [H, n, D]
@@ -99,7 +100,7 @@ class KVQuantPlanes:
         keys = self.keys[layer]
         blocks, offsets = self._places(table, first, first + k.shape[1])
         before = first - self.sinks
-        counts = self._rows(self.k_counts[layer], table, self.sinks, first).long()  # [H, before, 1]
+        counts = self._rows(self.k_counts[layer], self._held(table, first), self.sinks, first).long()  # [H, before, 1]
         used = counts.sum(dim=(-2, -1))
         xn = keys.normalise(k[None])[0]  # [H, n, D]
         mask = take_outliers(xn, used, before, self.percent)
@@ -118,10 +119,14 @@ class KVQuantPlanes:
         blocks = torch.as_tensor(list(table), dtype=torch.long)[positions // self.block_size]
         return blocks, positions % self.block_size
 
-    def _rows(self, plane: Tensor, table: Sequence[int], first: int, end: int) -> Tensor:
-        """Rows first..end-1 of one sequence's blocks of `plane`: [H, end - first, width]."""
-        used = torch.as_tensor(list(table[:-(-end // self.block_size)]), dtype=torch.long)
-        return plane[used].transpose(0, 1).flatten(1, 2)[:, first:end]
+    def _held(self, table: Sequence[int], end: int) -> Tensor:
+        """The ids of the blocks that hold a sequence's positions 0..end-1."""
+        return torch.as_tensor(list(table[:-(-end // self.block_size)]), dtype=torch.long)
+
+    @staticmethod
+    def _rows(plane: Tensor, held: Tensor, first: int, end: int) -> Tensor:
+        """Rows first..end-1 of the blocks `held` of `plane` (a sequence's, in order): [H, end - first, width]."""
+        return plane[held].transpose(0, 1).flatten(1, 2)[:, first:end]
 
     def read(self, layer: int, table: Sequence[int], seat: int, length: int,
              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -132,21 +137,21 @@ class KVQuantPlanes:
         v_sink = self.v_sink[layer][seat][:, :sink].to(dtype)
         if length <= self.sinks:
             return k_sink, v_sink
-        keys = self.keys[layer]
-        codes = self._rows(self.k_codes[layer], table, self.sinks, length)
+        keys, held = self.keys[layer], self._held(table, length)
+        codes = self._rows(self.k_codes[layer], held, self.sinks, length)
         x = keys.codebook.float()[unpack_bits(codes, self.bits, self.dim)] * keys.range[0].float() \
             + keys.zero[0].float()
-        ends = self._rows(self.k_counts[layer], table, self.sinks, length).long().squeeze(-1).cumsum(-1)  # [H, n]
-        held = int(ends[:, -1].max())
-        if held:
-            slot = torch.arange(held).expand(ends.shape[0], held).contiguous()
+        ends = self._rows(self.k_counts[layer], held, self.sinks, length).long().squeeze(-1).cumsum(-1)  # [H, n]
+        used = int(ends[:, -1].max())
+        if used:
+            slot = torch.arange(used).expand(ends.shape[0], used).contiguous()
             row = torch.searchsorted(ends, slot, right=True)
             rows = ends.shape[1]
-            index = self.k_outlier_index[layer][seat][:, :held].long()
+            index = self.k_outlier_index[layer][seat][:, :used].long()
             target = torch.where(slot < ends[:, -1:], row * self.dim + index, rows * self.dim)
-            values = self.k_outliers[layer][seat][:, :held].float()
+            values = self.k_outliers[layer][seat][:, :used].float()
             x = F.pad(x.flatten(1), (0, 1)).scatter(-1, target, values)[..., :-1].view_as(x)
-        fields = {name: self._rows(plane, table, self.sinks, length) for name, plane in self.v_fields[layer].items()}
+        fields = {name: self._rows(plane, held, self.sinks, length) for name, plane in self.v_fields[layer].items()}
         values = self.values[layer].decode(fields, dtype)
         return torch.cat((k_sink, x.to(dtype)), dim=1), torch.cat((v_sink, values), dim=1)
 
