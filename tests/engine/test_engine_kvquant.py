@@ -1,7 +1,8 @@
 """KVQuant (and pre-RoPE int4) through the engine: greedy tokens equal the lab's own KVQuantCache
-(kvlab.cache.kvquant, pre-RoPE keys rotated on read, the sink in fp16, the key outliers' pool) decoding each prompt alone, with requests joining
-mid-flight, preemption (a pool too small for all of them, so sequences are recomputed in other chunks) and prefix
-caching asked for; the pool's bytes are the plan's blocks, seats and fixed bytes, and it is free afterwards.
+(kvlab.cache.kvquant: pre-RoPE keys rotated on read, the sink in fp16, the key outliers' pool) decoding each
+prompt alone, with requests joining mid-flight, preemption (a pool too small for all of them, so sequences are
+recomputed in other chunks) and prefix caching asked for; the pool's bytes are the plan's blocks, seats and fixed
+bytes, and it is free afterwards.
 
 stories260K (a real GQA Llama) with a calibration fitted on its own activations by `kvlab calibrate-kv`'s code.
 """
