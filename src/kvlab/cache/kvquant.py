@@ -254,6 +254,20 @@ class KVQuantCache(GrowingKV, KVCache):
             rows.clear()
 
 
+def check_calibration(fmt, calibration) -> None:
+    """A one-line CacheError unless `calibration` (a KVQuantCalibration) has codebooks for `fmt`'s bits, fitted
+    for its outlier share: the lab's cache and the engine's pool refuse alike."""
+    if calibration is None:
+        raise CacheError(f"{fmt.name} needs a KVQuant calibration: `kvlab calibrate-kv MODEL --data FILE` "
+                         "writes one, --kv-calibration FILE names it")
+    if fmt.bits not in calibration.bits:
+        raise CacheError(f"the calibration has codebooks for {sorted(calibration.bits)} bits, not {fmt.bits}")
+    fitted = calibration.meta.get("outlier_percent", fmt.outlier_percent)
+    if fitted != fmt.outlier_percent:
+        raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {fmt.name} keeps "
+                         f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+
+
 def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens: int,
                        compute_dtype: torch.dtype, rope: Rope, device: torch.device | str | None = None) -> KVQuantCache:
     """A kvquant3/kvquant4 cache from a `KVQuantCalibration` (its layers, heads, dims and codebooks)."""
@@ -262,12 +276,7 @@ def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens:
         raise CacheError(f"{kv_cache_dtype} is not a KVQuant format (kvquant3, kvquant4)")
     bits = fmt.bits
     cal = calibration
-    if bits not in cal.bits:
-        raise CacheError(f"the calibration has codebooks for {sorted(cal.bits)} bits, not {bits}")
-    fitted = cal.meta.get("outlier_percent", fmt.outlier_percent)
-    if fitted != fmt.outlier_percent:
-        raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {kv_cache_dtype} keeps "
-                         f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+    check_calibration(fmt, cal)
     place = torch.device(device) if device is not None else torch.device("cpu")
     k_rows = [KVQuantKeyRows(cal.head_dim, bits, fmt.outlier_percent, layer.k_codebooks[bits], layer.k_zero,
                              layer.k_range, (batch, cal.kv_heads), place) for layer in cal.layers]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kvlab.cache.base import CacheError
 from kvlab.cache.bitpack import pack_bits, unpack_bits
-from kvlab.cache.kvquant import KVQuantKeyRows, KVQuantValueCodec, nearest_code, take_outliers
+from kvlab.cache.kvquant import KVQuantKeyRows, KVQuantValueCodec, check_calibration, nearest_code, take_outliers
 from kvlab.plan.kv_formats import KVQUANT, KVFormat, outlier_capacity
 
 
@@ -39,15 +39,7 @@ class KVQuantPlanes:
                  seats: int, max_tokens: int, device: torch.device, zeroed) -> None:
         if fmt.scheme != KVQUANT:
             raise CacheError(f"KVQuantPlanes stores KVQuant formats, not {fmt.name}")
-        if calibration is None:
-            raise CacheError(f"{fmt.name} needs a KVQuant calibration: `kvlab calibrate-kv MODEL --data FILE` "
-                             f"writes one, --kv-calibration FILE names it")
-        if fmt.bits not in calibration.bits:
-            raise CacheError(f"the calibration has codebooks for {sorted(calibration.bits)} bits, not {fmt.bits}")
-        fitted = calibration.meta.get("outlier_percent", fmt.outlier_percent)
-        if fitted != fmt.outlier_percent:
-            raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {fmt.name} keeps "
-                             f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+        check_calibration(fmt, calibration)
         if (calibration.kv_heads, calibration.head_dim) != (kv_heads, dim):
             raise CacheError(f"the calibration is for {calibration.kv_heads} KV heads x {calibration.head_dim} "
                              f"dims, the pool holds {kv_heads} x {dim}")
