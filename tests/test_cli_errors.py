@@ -11,3 +11,18 @@ def test_a_flag_prefix_is_not_taken_for_a_longer_flag(capsys):
         main(["bench", "throughput", "stories260k", "--output", "result.json"])
     assert raised.value.code == 2
     assert "unrecognized arguments: --output result.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "no KVQuant calibration at"),
+    (["--kv-window", "64"], "kvquant4 pools keep per-sequence state in seats"),
+])
+def test_serve_refuses_a_kvquant_pool_it_cannot_build_in_one_line(capsys, extra, message):
+    """`kvlab serve` with kvquant4 and no calibration beside the model (or a window) says why in one line, exit 2,
+    before any server starts."""
+    from needs import STORIES, require_file
+
+    require_file(STORIES, "../shared/models/stories260K.gguf")
+    assert main(["serve", str(STORIES), "--kv-cache-dtype", "kvquant4", "--threads", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

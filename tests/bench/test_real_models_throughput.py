@@ -8,17 +8,19 @@ from kvlab.bench import real_models_throughput as throughput
 from needs import STORIES, require_file
 
 
-def test_served_settings_are_the_unconverted_paged_formats():
+def test_measured_settings_are_every_one_but_the_uptrained_conversion():
     assert throughput.served(KVSetting("fp16")) and throughput.served(KVSetting("int8"))
     assert throughput.served(KVSetting("fp16", window=256, sinks=4)) and throughput.served(KVSetting("kivi2"))
-    for setting in (KVSetting("kvquant3"), KVSetting("int4", pre_rope=True),
-                    KVSetting("fp16", kv_heads=1), KVSetting("fp16", mla_rank=16, mla_rope=4)):
-        assert not throughput.served(setting)
+    assert throughput.served(KVSetting("kvquant3")) and throughput.served(KVSetting("int4", pre_rope=True))
+    for setting in (KVSetting("fp16", kv_heads=1), KVSetting("fp16", mla_rank=16, mla_rope=4)):
+        assert throughput.served(setting) and throughput.converted(setting)  # on dense weights
+    assert not throughput.converted(KVSetting("kvquant3"))
+    assert not throughput.served(KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=160))
 
 
 def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     require_file(STORIES, "../shared/models/stories260K.gguf")
-    settings = [KVSetting("fp16"), KVSetting("kvquant3")]
+    settings = [KVSetting("fp16"), KVSetting("fp16", kv_heads=1, method="mean", uptrain_steps=160)]
     assert throughput.pending(tmp_path, settings) == [KVSetting("fp16")]
     figures = throughput.measure(tmp_path, str(STORIES), KVSetting("fp16"), threads=1)
     assert figures["num_requests"] == throughput.REQUESTS
@@ -31,3 +33,14 @@ def test_a_run_is_stored_with_its_workload_and_shown_once(tmp_path):
     from kvlab.report.real_models import cell
     assert cell(throughput.load(tmp_path)["rows"]["fp16"]).startswith(f"{figures['output_tokens_per_s']:.1f}")
     assert cell(throughput.load(tmp_path)["rows"].get("kvquant3")) is None
+    assert cell({"output_tokens_per_s": 9.04, "decode_path": "module by module", "weights": "dense"}) == \
+        "9.0 (module by module, dense weights)"
+
+
+def test_only_names_steps_by_key_prefix():
+    from kvlab.bench.real_models import step_keys
+
+    assert step_keys(None)("smollm2:fp16") and step_keys("")("uptrain")
+    wanted = step_keys("throughput:kivi,smollm2:kvquant4")
+    assert wanted("throughput:kivi2") and wanted("throughput:kivi4") and wanted("smollm2:kvquant4")
+    assert not wanted("throughput:fp16") and not wanted("uptrain") and not wanted("gemma:kvquant4")

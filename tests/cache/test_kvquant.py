@@ -136,23 +136,35 @@ def test_key_outliers_are_the_values_out_of_range_wherever_they_cluster() -> Non
     rows = KVQuantKeyRows(DIM, 3, 5, cb, zero, range_, (2, HEADS), torch.device("cpu"))  # 1 slot per row
     k = (torch.rand(2, HEADS, 6, DIM) - 0.5) * 1.8  # inside every range
     k[..., 3] = 30.0  # large, but 0.3 of its channel's range: coded, not an outlier
-    k[:, :, 1, 10:14] = torch.tensor([-7.0, 6.0, 5.0, 4.0])  # 4 outliers in one token: it borrows free slots
-    k[0, 0, 5, 16] = 2.0
+    k[:, :, 3, 10:14] = torch.tensor([-7.0, 6.0, 5.0, 4.0])  # 4 outliers in one token: it borrows the slots
+    k[0, 0, 5, 16] = 2.0                                      # the 3 tokens before it left free
     rows.append(k[:, :, :4])
     rows.append(k[:, :, 4:])  # a second chunk: more slots, the pool grows
     y = rows.read(torch.float32)
-    assert torch.equal(y[:, :, 1, 10:14], k[:, :, 1, 10:14]) and y[0, 0, 5, 16] == 2.0
+    assert torch.equal(y[:, :, 3, 10:14], k[:, :, 3, 10:14]) and y[0, 0, 5, 16] == 2.0
     assert not torch.equal(y[..., 3], k[..., 3])
     assert rows.counts.sum() == 2 * HEADS * 4 + 1 and rows.outlier_values.shape[-1] == outlier_capacity(6, DIM, 5) == 6
     # past the pool's capacity the least-out-of-range values are clipped to the outermost centroid
     tight = KVQuantKeyRows(DIM, 3, 20, cb, zero, range_, (1, HEADS), torch.device("cpu"))
     few = k[:1, :, :2].clone()  # 2 rows: 8 slots per head, 4 + 5 values out of range
     few[:, :, 0, 14:19] = torch.tensor([3.0, -2.5, 1.5, 1.2, 1.1])
+    few[:, :, 1, 10:14] = torch.tensor([-7.0, 6.0, 5.0, 4.0])
     tight.append(few)
     z = tight.read(torch.float32)
     assert torch.equal(z[:, :, 1, 10:14], few[:, :, 1, 10:14])
     assert torch.equal(z[:, :, 0, 14:18], few[:, :, 0, 14:18].half().float())  # fp16, like every outlier
     assert torch.all(z[:, :, 0, 18] == 1.0)
+    # a token never takes a later token's slots, so its outliers do not depend on how rows are chunked:
+    # the same cluster at token 1 keeps 2 of its 4 values (2 slots by then), in one chunk or one row at a time
+    early = k.clone()
+    early[:, :, 1, 10:14], early[:, :, 3, 10:14] = early[:, :, 3, 10:14], early[:, :, 1, 10:14]
+    whole = KVQuantKeyRows(DIM, 3, 5, cb, zero, range_, (2, HEADS), torch.device("cpu"))
+    whole.append(early)
+    by_row = KVQuantKeyRows(DIM, 3, 5, cb, zero, range_, (2, HEADS), torch.device("cpu"))
+    for t in range(6):
+        by_row.append(early[:, :, t:t + 1])
+    assert torch.equal(whole.read(torch.float32), by_row.read(torch.float32))
+    assert torch.equal(whole.counts, by_row.counts) and int(whole.counts[0, 0, 1]) == 2
     # the key rows hold the plan's layout: codes and a count per row, 3 bytes per pool slot
     held = sum(t.numel() * t.element_size() for t in rows.tensors())
     assert held == 2 * HEADS * (6 * (packed_row_bytes(DIM, 3) + 1) + 6 * 3)

@@ -87,3 +87,49 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def kvquant_file(tmp_path):
+    """A KVQuant calibration for stories260K's shape (random activations: these tests check paths, not quality)."""
+    from kvquant_helpers import random_calibration
+    from kvlab.cache.kvquant_calibration import save_calibration
+    from kvlab.checkpoints.resolve import load_checkpoint
+
+    path = tmp_path / "stories.kvquant.safetensors"
+    save_calibration(random_calibration(load_checkpoint(STORIES).model.config), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kv_dtype", ["kvquant4", "kvquant3"])
+def test_generate_and_llm_give_the_same_greedy_tokens_on_a_kvquant_pool(capsys, kvquant_file, kv_dtype):
+    """`kvlab generate --kv-cache-dtype kvquant4` and `LLM(..., kv_cache_dtype="kvquant4")` run one engine
+    path over one pool format with one calibration: the same greedy text."""
+    from kvlab import LLM, SamplingParams
+
+    prompt = "Once upon a time"
+    assert main(["generate", STORIES, "--prompt", prompt, "--max-tokens", "20", "--temperature", "0",
+                 "--kv-cache-dtype", kv_dtype, "--kv-calibration", kvquant_file, "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert f"KV pool {kv_dtype}" in err and "module by module" in err
+    llm = LLM(STORIES, kv_cache_dtype=kv_dtype, kv_calibration=kvquant_file, kv_cache_memory="4MiB")
+    answer = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
+    assert out.rstrip("\n") == prompt + answer
+
+
+def test_measure_kvquant_bytes_equal_the_plan(capsys, kvquant_file):
+    assert main(["measure", STORIES, "--kv-cache-dtype", "kvquant4", "--kv-calibration", kvquant_file,
+                 "--prompt-len", "40", "--new-tokens", "9", "--batch", "2", "--bandwidth-gbs", "30", "--json",
+                 "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["kv_bytes_measured"] == result["kv_bytes_planned"] > 0
+
+
+def test_kvquant_without_its_calibration_is_one_line_and_exit_2(capsys, tmp_path):
+    """By default the calibration is the file `kvlab calibrate-kv` writes beside the model, as `kvlab eval` reads."""
+    for extra, message in (([], "no KVQuant calibration at " + STORIES + ".kvquant.safetensors"),
+                           (["--kv-calibration", str(tmp_path / "x.safetensors")], "no KVQuant calibration at")):
+        code = main(["generate", STORIES, "--kv-cache-dtype", "kvquant4", "--max-tokens", "3", "--threads", "1",
+                     *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

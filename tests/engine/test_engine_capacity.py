@@ -31,6 +31,30 @@ def test_capacity_lines_equal_plan_engine_vllm(stories_model, stories_tokenizer,
     assert any(line.startswith(f"CPU KV cache size: {engine.pool.num_tokens:,} tokens") for line in engine.capacity_lines)
 
 
+@pytest.mark.parametrize("kv_cache_dtype,block_size,memory,seats", [("kivi4", 32, 2_000_000, 3),
+                                                                    ("kvquant4", 16, 1_500_000, 5),
+                                                                    ("kvquant3", 64, 777_777, 2)])
+def test_seat_formats_capacity_lines_equal_plan(stories_model, stories_tokenizer, capsys, tmp_path, kv_cache_dtype,
+                                               block_size, memory, seats):
+    """The formats only kvlab serves (state per seat: KIVI's residuals, KVQuant's sinks and key outliers) log the
+    lines `kvlab plan --engine kvlab` prints for the same pool, seats and --max-model-len, and hold its bytes."""
+    from kvquant_helpers import random_calibration
+    from kvlab.cache.kvquant_calibration import save_calibration
+
+    path = tmp_path / "cal.safetensors"
+    save_calibration(random_calibration(stories_model.config), path)
+    engine = make_engine(stories_model, stories_tokenizer, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+                         kv_cache_memory=memory, max_num_seqs=seats, kv_calibration=str(path))
+    assert main(["plan", str(STORIES), "--kv-cache-memory", str(memory), "--kv-cache-dtype", kv_cache_dtype,
+                 "--dtype", "fp32", "--block-size", str(block_size), "--max-num-seqs", str(seats),
+                 "--context", str(engine.max_model_len), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["kvlab_engine"]
+    assert engine.capacity_lines == planned["log_lines"]
+    assert engine.blocks.num_blocks == planned["num_gpu_blocks"]
+    assert engine.pool.nbytes() == planned["num_gpu_blocks"] * planned["block_bytes_all_layers"] + \
+        planned["residual_bytes"] + planned["fixed_bytes"] <= memory
+
+
 def test_worked_capacity_for_stories260k(stories_model, stories_tokenizer):
     """By hand: 5 layers x 4 KV heads x 8 channels x (K + V) x 4 B = 1,280 B a token, 20,480 B a block of 16."""
     engine = make_engine(stories_model, stories_tokenizer, kv_cache_memory=1_000_000)

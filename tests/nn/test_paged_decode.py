@@ -410,7 +410,11 @@ def test_loading_a_library_whose_mirror_drifted_fails_loudly():
 @pytest.mark.parametrize("kv_cache_dtype", POOL_KV_CACHE_DTYPES)
 def test_the_format_table_says_which_pools_the_c_step_runs(kv_cache_dtype):
     """kvlab.plan.kv_formats.KV_CACHE_DTYPE_PATHS' "c_step" column is what why_not_paged decides."""
+    from kvquant_helpers import random_calibration
+
     model = ggml_model(LONG)
-    pool = KVPool.for_model(model.config, 8, 32, kv_cache_dtype, seats=2)  # KIVI: 32-token groups, residual seats
+    calibration = random_calibration(model.config) if kv_cache_dtype.startswith("kvquant") else None
+    pool = KVPool.for_model(model.config, 8, 32, kv_cache_dtype, seats=2,  # KIVI: 32-token groups, residual seats
+                            calibration=calibration)
     assert (why_not_paged(model, pool) is None) == (kv_cache_dtype in C_STEP_KV_CACHE_DTYPES), \
         why_not_paged(model, pool)

@@ -34,6 +34,7 @@ OUT = Path(__file__).resolve().parents[3] / "reports" / "real-models"
 CALIBRATION_TEXT = "pride-and-prejudice.txt"  # calibrate on one novel, evaluate on another
 WINDOW, SINKS = 256, 4
 ENGINE_MEMORY = 256 * 2**20  # the engine's pool for its capacity line (host memory here)
+ENGINE_SEATS = throughput.REQUESTS  # its --max-num-seqs: KIVI and KVQuant keep state per seat
 
 SETTINGS = [
     KVSetting("fp16"), KVSetting("fp8"), KVSetting("int8"), KVSetting("int4"), KVSetting("kivi4"),
@@ -64,8 +65,16 @@ def shared_file(*parts: str) -> Path:
     raise SystemExit(f"real_models: {'/'.join(parts)} not found in the shared folder")
 
 
-def measure(out: Path, max_seconds: float, threads: int) -> bool:
-    """Fill both studies' results files; True when every cell is there."""
+def step_keys(only: Optional[str]):
+    """Whether a step runs: every step, or with --only those whose key starts with one of its comma-separated
+    prefixes. Keys: `smollm2:LABEL` (a SmolLM2 row's quality cells), `throughput:LABEL` (its engine run),
+    `uptrain` (the uptraining run and its row), `gemma:LABEL` (a Gemma 3 row's quality cells)."""
+    prefixes = tuple(p for p in (only or "").split(",") if p)
+    return lambda key: not prefixes or key.startswith(prefixes)
+
+
+def measure(out: Path, max_seconds: float, threads: int, only: Optional[str] = None) -> bool:
+    """Fill both studies' results files (only the steps `only` names, when given); True when every cell is there."""
     import torch
 
     from kvlab.checkpoints.resolve import load_model
@@ -73,17 +82,23 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
 
     torch.set_num_threads(threads)
     started = time.monotonic()
-    jobs = evaluate(out, SMOLLM2, started, max_seconds, threads)
+    wanted = step_keys(only)
+    jobs = evaluate(out, SMOLLM2, started, max_seconds, threads, wanted)
+    dense = None  # loaded for the first converted setting's throughput
     for setting in throughput.pending(out, SETTINGS):  # the throughput column, once those cells are in
         if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
             break
+        if not wanted(f"throughput:{setting.label}"):
+            continue
         print(f"real_models: engine throughput, {setting.label}", file=sys.stderr)
-        throughput.measure(out, MODEL, setting, threads)
+        if throughput.converted(setting) and dense is None:
+            dense = load_model(MODEL, torch.float32, "dense")
+        throughput.measure(out, MODEL, setting, threads, out / SMOLLM2.calibration, dense)
     # the uptrained row last (the longest): its training run in slices, then its cells on its own weights
-    while not uptrain.finished() and time.monotonic() - started <= max_seconds:
+    while wanted("uptrain") and not uptrain.finished() and time.monotonic() - started <= max_seconds:
         print("real_models: uptraining the 1-KV-head conversion (a slice)", file=sys.stderr)
         uptrain.run_slice(MODEL, shared_file("data", "english", uptrain.TRAIN_TEXT))
-    if uptrain.finished():
+    if wanted("uptrain") and uptrain.finished():
         write_json(out / "uptrain.json", uptrain.last_report(), indent=1)  # the run, kept
         store = jobs[0][0].store
         trained = Evaluator(load_model(str(uptrain.model_dir()), torch.float32, "dense"), store)
@@ -91,7 +106,7 @@ def measure(out: Path, max_seconds: float, threads: int) -> bool:
         run(jobs, started, max_seconds, threads)
     # then Gemma 3, whose cells are all quality cells
     in_time = time.monotonic() - started <= max_seconds
-    gemma_jobs = evaluate(out, gemma.STUDY, started, max_seconds, threads) if in_time else None
+    gemma_jobs = evaluate(out, gemma.STUDY, started, max_seconds, threads, wanted) if in_time else None
     return (uptrain.finished() and not throughput.pending(out, SETTINGS) and gemma_jobs is not None
             and all(e.pending(s, t) == 0 for e, s, t in jobs + gemma_jobs))
 
@@ -103,7 +118,8 @@ def study_tasks(study: Study) -> list:
             *[PasskeyTask(study.lengths, DEPTHS, TRIALS, seed, CHUNK) for seed in SEEDS]]
 
 
-def evaluate(out: Path, study: Study, started: float, max_seconds: float, threads: int) -> list:
+def evaluate(out: Path, study: Study, started: float, max_seconds: float, threads: int,
+             wanted=lambda key: True) -> list:
     """Measure a study's pending quality cells (every perplexity first, then passkey cells in its
     order) until the time is up; the (evaluator, setting, task) jobs, for the caller's completeness check.
     An uptrained setting is left to the caller, which loads that run's weights."""
@@ -126,7 +142,8 @@ def evaluate(out: Path, study: Study, started: float, max_seconds: float, thread
     store = ResultStore(out / study.results, {"model": study.model})
     evaluator = Evaluator(loaded, store, lambda s, m: load_calibration(cal_path, m.config) if s.is_kvquant else None)
     ppl, *keys = study_tasks(study)
-    in_memory = [s for s in study.settings if s != uptrain.SETTING]
+    prefix = "gemma" if study is gemma.STUDY else "smollm2"
+    in_memory = [s for s in study.settings if s != uptrain.SETTING and wanted(f"{prefix}:{s.label}")]
     first = list(study.passkey_first)
     order = sorted(in_memory, key=lambda s: first.index(s.label) if s.label in first else len(first))
     jobs = [(evaluator, s, ppl) for s in in_memory] + [(evaluator, s, task) for task in keys for s in order]
@@ -164,15 +181,17 @@ def run(jobs: list, started: float, max_seconds: float, threads: int) -> None:
         store.save()
 
 
-def engine_line(setting: KVSetting, model) -> Optional[str]:
-    """The engine's own 'Maximum concurrency' start-up line, where its paged pool serves the setting."""
-    if not setting.in_paged_pool:
-        return None
+def engine_line(setting: KVSetting, model, calibration: Path) -> Optional[str]:
+    """The engine's own 'Maximum concurrency' start-up figure for the setting (every setting is served; KVQuant
+    with the study's calibration)."""
     from kvlab.engine.engine import EngineConfig, LLMEngine
     engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
                                                  max_model_len=SERVE_CONTEXT, paged_step=False, kv_window=setting.window,
-                                                 sink_tokens=setting.sinks))
-    return engine.capacity_lines[-1]
+                                                 sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+                                                 max_num_seqs=ENGINE_SEATS,
+                                                 kv_calibration=str(calibration) if setting.is_kvquant else None))
+    line = next(line for line in engine.capacity_lines if "Maximum concurrency" in line)
+    return line[line.index("Maximum concurrency"):]
 
 
 def tabulate(out: Path) -> dict:
@@ -190,7 +209,7 @@ def tabulate(out: Path) -> dict:
         row = summarise(store, setting, SMOLLM2)
         model = build_model(loaded, setting)
         row["serving"] = serving(setting, SMOLLM2, model)
-        row["engine_capacity_line"] = engine_line(setting, model)
+        row["engine_capacity_line"] = engine_line(setting, model, out / SMOLLM2.calibration)
         row["engine_c16_output_tokens_per_s"] = measured.get(setting.label, {}).get("output_tokens_per_s")
         rows.append(row)
     path = out / gemma.STUDY.results

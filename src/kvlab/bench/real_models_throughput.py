@@ -7,15 +7,19 @@ says which). Each setting's figure is one `kvlab.bench.throughput.run_engine` ru
 same random prompts, after a warm-up on a prompt of its own, kept in engine_throughput.json
 with the run's provenance; a setting already there is not measured again.
 
-Settings the engine's paged pool does not serve (KVQuant, pre-RoPE keys) and the in-memory
-KV-head and MLA conversions (the engine loads the GGUF blocks, which are not converted) get no
-figure.
+Every KV format and pre-RoPE keys are measured on the GGUF model (KVQuant with the study's
+calibration). The in-memory KV-head and MLA conversions cannot be: the GGUF blocks are not
+converted. The engine serves them as a converted checkpoint would be served (`kvlab convert`, then
+`kvlab serve OUT`: dense weights), so they are measured on the dense model converted in memory, and
+the row says "dense weights": its speed is the conversion's and the dense products', not comparable
+with the GGUF rows'. The uptrained row's weights are its training run's, not measured here.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from kvlab.evals.setting import KVSetting
 from kvlab.files import write_json
@@ -26,8 +30,13 @@ FILE = "engine_throughput.json"
 
 
 def served(setting: KVSetting) -> bool:
-    """Whether the engine serves this setting on the unconverted model."""
-    return setting.in_paged_pool and setting.kv_heads is None and setting.mla_rank is None
+    """Whether this run measures the setting: every one but the uptrained conversion's."""
+    return not setting.uptrain_steps
+
+
+def converted(setting: KVSetting) -> bool:
+    """A setting whose model is converted in memory (KV heads, MLA): measured on dense weights."""
+    return setting.kv_heads is not None or setting.mla_rank is not None
 
 
 def load(out: Path) -> dict:
@@ -45,8 +54,10 @@ def pending(out: Path, settings: list[KVSetting]) -> list[KVSetting]:
     return [s for s in settings if served(s) and s.label not in done]
 
 
-def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dict:
-    """One setting's run, added to engine_throughput.json (written atomically) and returned."""
+def measure(out: Path, model_name: str, setting: KVSetting, threads: int, calibration: Optional[Path] = None,
+            dense=None) -> dict:
+    """One setting's run, added to engine_throughput.json (written atomically) and returned; a KVQuant setting
+    reads `calibration`, a converted one is built from `dense` (the model loaded with dense weights)."""
     import torch
 
     from kvlab.bench.provenance import provenance
@@ -54,15 +65,21 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int) -> dic
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
 
-    model, tokenizer = load_for_engine(model_name, threads=threads)
+    if converted(setting):
+        from kvlab.evals.setting import build_model
+        model, tokenizer = build_model(dense, setting), dense.tokenizer
+    else:
+        model, tokenizer = load_for_engine(model_name, threads=threads)
     engine = LLMEngine(model, tokenizer, EngineConfig(
         kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
-        kv_window=setting.window, sink_tokens=setting.sinks))
+        kv_window=setting.window, sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+        kv_calibration=str(calibration) if setting.is_kvquant and calibration else None))
     prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special_ids(tokenizer))
     run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
     figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)
     figures["capacity_lines"] = engine.capacity_lines
     figures["block_size"] = engine.config.block_size
+    figures["weights"] = model.packing
     figures["provenance"] = provenance(torch.get_num_threads())
     doc = load(out)
     doc["rows"][setting.label] = figures

@@ -21,21 +21,26 @@ def _check(bits: int) -> None:
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
-    """codes [..., dim] (values < 2**bits) -> uint8 [..., ceil(dim * bits / 8)]."""
+    """codes [..., dim] (values < 2**bits) -> uint8 [..., ceil(dim * bits / 8)].
+
+    Eight codes fill exactly `bits` bytes, so each group of eight is one integer of 8 * bits bits,
+    written out byte by byte: a few operations per group, not one per bit."""
     _check(bits)
     dim = codes.shape[-1]
-    row = packed_row_bytes(dim, bits)
-    shifts = torch.arange(bits, device=codes.device)
-    stream = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [..., dim * bits]
-    stream = F.pad(stream, (0, row * 8 - dim * bits)).unflatten(-1, (row, 8))
-    weights = (1 << torch.arange(8, device=codes.device)).to(torch.int32)
-    return (stream * weights).sum(-1).to(torch.uint8)
+    groups = -(-dim // 8)
+    code_shifts = bits * torch.arange(8, device=codes.device)
+    word = (F.pad(codes.long(), (0, groups * 8 - dim)).unflatten(-1, (groups, 8)) << code_shifts).sum(-1)
+    byte_shifts = 8 * torch.arange(bits, device=codes.device)
+    packed = ((word.unsqueeze(-1) >> byte_shifts) & 255).flatten(-2)  # [..., groups * bits]
+    return packed[..., :packed_row_bytes(dim, bits)].to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, bits: int, dim: int) -> Tensor:
     """Inverse of `pack_bits`: the first `dim` codes of each row, as int64 (ready for indexing)."""
     _check(bits)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
-    stream = stream[..., :dim * bits].unflatten(-1, (dim, bits))
-    weights = (1 << torch.arange(bits, device=packed.device)).to(torch.int32)
-    return (stream * weights).sum(-1).long()
+    groups = -(-dim // 8)
+    byte_shifts = 8 * torch.arange(bits, device=packed.device)
+    word = (F.pad(packed.long(), (0, groups * bits - packed.shape[-1])).unflatten(-1, (groups, bits))
+            << byte_shifts).sum(-1)
+    code_shifts = bits * torch.arange(8, device=packed.device)
+    return ((word.unsqueeze(-1) >> code_shifts) & ((1 << bits) - 1)).flatten(-2)[..., :dim]

@@ -59,16 +59,30 @@ def out_of_range(xn: Tensor) -> Tensor:
     return torch.where(xn.abs() > 1, xn.abs(), torch.zeros_like(xn))
 
 
-def pick_outliers(xn: Tensor, allowed: Tensor) -> Tensor:
-    """Mask of the out-of-range values of xn [B, H, n, D] furthest out, at most allowed[b, h] per head."""
-    score = out_of_range(xn).flatten(2)
-    mask = torch.zeros_like(score, dtype=torch.bool)
-    most = min(int(allowed.max()) if allowed.numel() else 0, score.shape[-1])
-    if most > 0:
-        top = score.topk(most, dim=-1)
-        keep = (torch.arange(most, device=xn.device) < allowed[..., None]) & (top.values > 0)
-        mask.scatter_(-1, top.indices, keep)
-    return mask.view_as(xn)
+def take_outliers(xn: Tensor, used: Tensor, rows_before: int, percent: int) -> Tensor:
+    """Mask of the outliers of n new key rows xn [*lead, n, D] (channel-normalised), written after
+    `rows_before` rows that took `used` [*lead] of the head's pool.
+
+    Row r (counting every row of the sequence) may hold its out-of-range values, furthest out
+    first, while the pool of outlier_capacity(r + 1) slots has room after the rows before it: a
+    row uses the slots earlier rows left free and never a later row's, so a row's outliers are
+    the same whichever step writes it (a prompt in one chunk or several, a decode, a recompute
+    after preemption). With k_r values out of range and C_r the capacity, the slots taken by
+    rows up to r are u_r = min(u_{r-1} + k_r, C_r); unrolled, u_r = K_r + min(used, min_{j<=r}
+    (C_j - K_j)) with K the running sum of k, one cummin.
+    """
+    score = out_of_range(xn)
+    n, dim = xn.shape[-2], xn.shape[-1]
+    wanted = (score > 0).sum(-1)  # [*lead, n]
+    wanted_sum = wanted.cumsum(-1)
+    rows = torch.arange(rows_before + 1, rows_before + n + 1, device=xn.device)
+    capacity = rows * dim * percent // 100  # kvlab.plan.kv_formats.outlier_capacity, row by row
+    slack = (capacity - wanted_sum).cummin(-1).values
+    taken = wanted_sum + torch.minimum(used[..., None], slack)
+    allowed = torch.diff(taken, dim=-1, prepend=used[..., None])  # each row's share
+    rank = torch.empty_like(score, dtype=torch.long).scatter_(
+        -1, score.argsort(dim=-1, descending=True, stable=True), torch.arange(dim, device=xn.device).expand_as(score))
+    return (rank < allowed[..., None]) & (score > 0)
 
 
 def value_dense(x: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -124,10 +138,10 @@ class KVQuantKeyRows:
         """Encode rows x [*lead, n, dim] after the rows already held."""
         x = x.to(self.device)
         xn = self.normalise(x)
-        rows = self.codes.shape[-2] + x.shape[-2]
-        capacity = outlier_capacity(rows, self.dim, self.percent)
+        before = self.codes.shape[-2]
+        capacity = outlier_capacity(before + x.shape[-2], self.dim, self.percent)
         used = self.counts.long().sum(dim=(-2, -1))
-        mask = pick_outliers(xn, capacity - used)
+        mask = take_outliers(xn, used, before, self.percent)
         flat = mask.flatten(2)
         slot = torch.where(flat, used[..., None] + flat.long().cumsum(-1) - 1, torch.full_like(used[..., None], capacity))
         grow = capacity - self.outlier_values.shape[-1]
@@ -240,6 +254,20 @@ class KVQuantCache(GrowingKV, KVCache):
             rows.clear()
 
 
+def check_calibration(fmt, calibration) -> None:
+    """A one-line CacheError unless `calibration` (a KVQuantCalibration) has codebooks for `fmt`'s bits, fitted
+    for its outlier share: the lab's cache and the engine's pool refuse alike."""
+    if calibration is None:
+        raise CacheError(f"{fmt.name} needs a KVQuant calibration: `kvlab calibrate-kv MODEL --data FILE` "
+                         "writes one, --kv-calibration FILE names it")
+    if fmt.bits not in calibration.bits:
+        raise CacheError(f"the calibration has codebooks for {sorted(calibration.bits)} bits, not {fmt.bits}")
+    fitted = calibration.meta.get("outlier_percent", fmt.outlier_percent)
+    if fitted != fmt.outlier_percent:
+        raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {fmt.name} keeps "
+                         f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+
+
 def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens: int,
                        compute_dtype: torch.dtype, rope: Rope, device: torch.device | str | None = None) -> KVQuantCache:
     """A kvquant3/kvquant4 cache from a `KVQuantCalibration` (its layers, heads, dims and codebooks)."""
@@ -248,12 +276,7 @@ def make_kvquant_cache(kv_cache_dtype: str, calibration, batch: int, max_tokens:
         raise CacheError(f"{kv_cache_dtype} is not a KVQuant format (kvquant3, kvquant4)")
     bits = fmt.bits
     cal = calibration
-    if bits not in cal.bits:
-        raise CacheError(f"the calibration has codebooks for {sorted(cal.bits)} bits, not {bits}")
-    fitted = cal.meta.get("outlier_percent", fmt.outlier_percent)
-    if fitted != fmt.outlier_percent:
-        raise CacheError(f"the calibration was fitted for {fitted}% outliers per row, {kv_cache_dtype} keeps "
-                         f"{fmt.outlier_percent}%: run `kvlab calibrate-kv MODEL --data FILE` again")
+    check_calibration(fmt, cal)
     place = torch.device(device) if device is not None else torch.device("cpu")
     k_rows = [KVQuantKeyRows(cal.head_dim, bits, fmt.outlier_percent, layer.k_codebooks[bits], layer.k_zero,
                              layer.k_range, (batch, cal.kv_heads), place) for layer in cal.layers]

@@ -32,8 +32,10 @@ from torch import Tensor
 from kvlab.cache.base import CacheError, model_dtype_name
 from kvlab.cache.codecs import FloatCodec, RowCodec, Scale, make_codec
 from kvlab.cache.kivi_pool import KiviPlanes
+from kvlab.cache.kvquant_pool import KVQuantPlanes
 from kvlab.cache.kv_groups import RELEASED, KVGroup, model_groups
-from kvlab.plan.kv_formats import FLOAT, GROUP, KIVI, KVFormat, resolve_kv_format
+from kvlab.plan.kv_formats import FLOAT, GROUP, KIVI, KVQUANT, KVFormat, resolve_kv_format
+from kvlab.plan.pool_capacity import DEFAULT_BLOCK_SIZE  # noqa: F401 (kvlab.cache.pool.DEFAULT_BLOCK_SIZE)
 
 Fields = dict[str, Tensor]  # codec field -> [num_blocks, kv_heads, block_size, width]
 
@@ -45,8 +47,7 @@ LAZY_ZEROS_BYTES = 1 << 20
 # CPUs int8 decode then ran only 1.19-1.35x fp16's speed at 4,096 tokens and 16 rows, at 64
 # 1.42-1.50x, and fp16 itself 0.99-1.19x faster (`kvlab bench paged-decode`). vLLM's CPU
 # backend defaults to 128 and warns below multiples of 32; 64 measured as fast as 128 and keeps
-# prefix caching finer.
-DEFAULT_BLOCK_SIZE = 64
+# prefix caching finer. (The number lives with the plan's arithmetic of the engine's pool.)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -67,16 +68,17 @@ class KVPool:
     def __init__(self, num_layers: int, kv_heads: int, k_head_dim: int, v_head_dim: int, num_blocks: int,
                  block_size: int, fmt: KVFormat, compute_dtype: torch.dtype = torch.float32,
                  k_scale: Scale = 1.0, v_scale: Scale = 1.0, device: torch.device | str | None = None,
-                 groups: Optional[Sequence[KVGroup]] = None, seats: int = 0) -> None:
+                 groups: Optional[Sequence[KVGroup]] = None, seats: int = 0, calibration=None,
+                 max_tokens: int = 0, pre_rope: bool = False) -> None:
         for name, value in (("num_layers", num_layers), ("kv_heads", kv_heads), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("k_head_dim", k_head_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise CacheError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(v_head_dim, int) or v_head_dim < 0:
             raise CacheError(f"v_head_dim must be a non-negative integer (0: no values, MLA), got {v_head_dim!r}")
-        if fmt.scheme not in (FLOAT, GROUP, KIVI):
-            raise CacheError(f"the paged pool stores fp32, fp16, bf16, fp8, int8, int4, int2, kivi2 and kivi4, "
-                             f"not {fmt.name}")
+        if fmt.scheme not in (FLOAT, GROUP, KIVI, KVQUANT):
+            raise CacheError(f"the paged pool stores fp32, fp16, bf16, fp8, int8, int4, int2, kivi2, kivi4, "
+                             f"kvquant3 and kvquant4, not {fmt.name}")
         model_dtype_name(compute_dtype)
         self.groups = list(groups) if groups is not None else [KVGroup(tuple(range(num_layers)))]
         members = sorted(layer for group in self.groups for layer in group.layers)
@@ -91,16 +93,31 @@ class KVPool:
         self.kv_format, self.compute_dtype = fmt, compute_dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         slots = max(len(group.layers) for group in self.groups)
-        self.seats, self.kivi = seats, None
-        if fmt.scheme == KIVI:  # quantised blocks and a residual per seat (kvlab.cache.kivi_pool)
+        # KIVI's and KVQuant's storage: rows in blocks and state per seat (kivi_pool, kvquant_pool)
+        self.seats, self.kivi, self.kvquant = seats, None, None
+        # keys stored before RoPE (KVQuant's per-channel keys, or `kvlab eval --pre-rope-keys` in any row format):
+        # attention rotates what the pool returns at positions 0.., so every position must be held
+        self.pre_rope = fmt.scheme == KVQUANT or pre_rope
+        if self.pre_rope and (fmt.scheme == KIVI or not v_head_dim or any(g.windowed for g in self.groups)):
+            raise CacheError("pre-RoPE keys are stored by K/V pools of full-attention layers in a per-token or "
+                             "KVQuant format (no KIVI, MLA or windows)")
+        if fmt.scheme in (KIVI, KVQUANT):
             if not v_head_dim or any(group.windowed for group in self.groups):
                 raise CacheError(f"{fmt.name} pools hold K/V heads of full-attention layers (no MLA, no windows)")
-            self.kivi = KiviPlanes(fmt, slots, num_blocks, block_size, kv_heads, k_head_dim, v_head_dim, seats,
-                                   compute_dtype, self.device, zeroed)
+            if fmt.scheme == KIVI:
+                self.kivi = KiviPlanes(fmt, slots, num_blocks, block_size, kv_heads, k_head_dim, v_head_dim, seats,
+                                       compute_dtype, self.device, zeroed)
+            else:
+                if k_head_dim != v_head_dim or (calibration is not None and len(calibration.layers) != num_layers):
+                    raise CacheError(f"{fmt.name} pools hold equal K and V heads, with a calibration per layer")
+                self.kvquant = KVQuantPlanes(fmt, calibration, num_blocks, block_size, kv_heads, k_head_dim, seats,
+                                             max_tokens or num_blocks * block_size, self.device, zeroed)
+            self.planes = self.kivi or self.kvquant
             self.codecs = (None, None)
             self.k = self.v = [None] * num_layers
             self._slots = []
             return
+        self.planes = None
         self.codecs = (make_codec(fmt, k_head_dim, k_scale), make_codec(fmt, v_head_dim, v_scale) if v_head_dim else None)
         k_slots = [self._alloc(self.codecs[0]) for _ in range(slots)]
         v_slots = [self._alloc(self.codecs[1]) for _ in range(slots)] if v_head_dim else [None] * slots
@@ -112,7 +129,8 @@ class KVPool:
     def for_model(cls, config, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
                   compute_dtype: torch.dtype = torch.float32, group_size: Optional[int] = None,
                   device: torch.device | str | None = None, kv_window: Optional[int] = None,
-                  sink_tokens: int = 0, seats: int = 0, residual: Optional[int] = None) -> "KVPool":
+                  sink_tokens: int = 0, seats: int = 0, residual: Optional[int] = None, calibration=None,
+                  max_tokens: int = 0, pre_rope: bool = False) -> "KVPool":
         """A pool for a kvlab.nn ModelConfig in the plan's format for `kv_cache_dtype`, its layers grouped
         as the plan groups them (kvlab.plan.vllm_groups.kv_groups), under an optional sinks + window policy."""
         fmt = resolve_kv_format(kv_cache_dtype, model_dtype_name(compute_dtype), group_size, residual)
@@ -122,7 +140,8 @@ class KVPool:
             return cls(config.n_layers, 1, config.kv_lora_rank + config.rope_key_heads * config.qk_rope_head_dim, 0,
                        num_blocks, block_size, fmt, compute_dtype, device=device, groups=groups)
         return cls(config.n_layers, config.kv_heads, config.head_size, config.head_size, num_blocks, block_size, fmt,
-                   compute_dtype, device=device, groups=groups, seats=seats)
+                   compute_dtype, device=device, groups=groups, seats=seats, calibration=calibration,
+                   max_tokens=max_tokens, pre_rope=pre_rope)
 
     def _alloc(self, codec: RowCodec) -> Fields:
         return {name: zeroed((self.num_blocks, self.kv_heads, self.block_size, width), dtype, self.device)
@@ -141,9 +160,9 @@ class KVPool:
         """Store a step's new keys k [N, H, Dk] and values v [N, H, Dv] (None in an MLA pool) of layer
         `layer` where `step` (a kvlab.cache.StepBatch) places them."""
         group = self.group_of[layer]
-        if self.kivi is not None:
-            self.kivi.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
-                            step.query_lens, step.group_tables[group], step.seats)
+        if self.planes is not None:
+            self.planes.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
+                              step.query_lens, step.group_tables[group], step.seats)
             return
         self.write(layer, k, v, step.group_slots[group])
 
@@ -197,8 +216,8 @@ class KVPool:
         or a window that hides nothing yet)."""
         g = self.group_of[layer]
         table, new, context = step.group_tables[g][s], step.query_lens[s], step.context_lens[s]
-        if self.kivi is not None:
-            keys, values = self.kivi.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
+        if self.planes is not None:
+            keys, values = self.planes.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
             return keys, values, None
         group = self.groups[g]
         need = -(-context // self.block_size)
@@ -224,8 +243,8 @@ class KVPool:
 
     def tensors(self) -> Iterator[Tensor]:
         """Each tensor of the pool once (layers of different groups share a slot's tensors)."""
-        if self.kivi is not None:
-            return self.kivi.tensors()
+        if self.planes is not None:
+            return self.planes.tensors()
         return chain.from_iterable(fields.values() for fields in self._slots)
 
     def nbytes(self) -> int:

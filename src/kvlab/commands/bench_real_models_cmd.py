@@ -30,6 +30,9 @@ def add_parsers(benches) -> None:
     p.add_argument("--max-seconds", type=non_negative_float, default=540,
                    help="start no cell after this many seconds (default 540; 0 only tabulates and renders)")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
+    p.add_argument("--only", help="run only the steps whose key starts with one of these comma-separated prefixes: "
+                   "smollm2:LABEL (a row's quality cells), throughput:LABEL (its engine run), uptrain, gemma:LABEL "
+                   "(e.g. throughput:kivi,throughput:kvquant); the table is tabulated and rendered as always")
     p.set_defaults(run=run_real_models)
 
     p = benches.add_parser("kvquant-split", help=KVQUANT_SPLIT, description=KVQUANT_SPLIT)
@@ -64,7 +67,7 @@ def run_real_models(args: argparse.Namespace) -> int:
 
     out = args.out or real_models.OUT
     out.mkdir(parents=True, exist_ok=True)
-    done = real_models.measure(out, args.max_seconds, args.threads) if args.max_seconds > 0 else None
+    done = real_models.measure(out, args.max_seconds, args.threads, args.only) if args.max_seconds > 0 else None
     real_models.tabulate(out)
     render(out)
     state = "tabulated" if done is None else "complete" if done else "incomplete: run it again to measure the rest"

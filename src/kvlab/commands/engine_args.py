@@ -24,7 +24,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="pool storage (default: fp16 with fp32 activations, bf16 with bf16: the 16-bit "
                             "precision checkpoints ship in, as vLLM's auto is the model's dtype; twice fp32's "
                             "tokens at the same speed); auto = the activations' dtype. kivi2/kivi4 keep each "
-                            "running request's newest 128-159 tokens in full precision, in --max-num-seqs seats")
+                            "running request's newest 128-159 tokens in full precision, in --max-num-seqs seats; "
+                            "kvquant3/kvquant4 keep its sink token and key outliers there (--kv-calibration)")
+    cache.add_argument("--kv-calibration", metavar="FILE",
+                       help="kvquant3/kvquant4's codebooks and key ranges, from `kvlab calibrate-kv` (default: the "
+                            "file it writes beside the model, as `kvlab eval` reads it)")
+    cache.add_argument("--pre-rope-keys", action="store_true",
+                       help="cache keys before RoPE and rotate them once read, as `kvlab eval --pre-rope-keys` "
+                            "measures (module-by-module steps; kvquant3/kvquant4 always do)")
     cache.add_argument("--kv-cache-memory", type=byte_size,
                        help="pool size, e.g. 2GiB or 500MB (default: a fraction of available memory)")
     cache.add_argument("--kv-cache-memory-fraction", type=positive_float, default=DEFAULT_MEMORY_FRACTION,
@@ -73,7 +80,7 @@ def engine_from_args(args: argparse.Namespace):
     if args.kv_cache_dtype is None:
         args.kv_cache_dtype = default_kv_cache_dtype(args.dtype)
     from kvlab.engine.engine import EngineConfig, LLMEngine
-    from kvlab.engine.llm import load_for_engine
+    from kvlab.engine.llm import kv_calibration_for, load_for_engine
 
     if args.matmul_backend:
         set_backend(args.matmul_backend)
@@ -86,5 +93,7 @@ def engine_from_args(args: argparse.Namespace):
                           speculative_config=args.speculative_config, kv_window=args.kv_window,
                           sink_tokens=args.sink_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          pipeline_parallel_size=args.pipeline_parallel_size)
+                          pipeline_parallel_size=args.pipeline_parallel_size,
+                          kv_calibration=kv_calibration_for(args.model, args.kv_cache_dtype, args.kv_calibration),
+                          pre_rope_keys=args.pre_rope_keys)
     return LLMEngine(model, tokenizer, config)

@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
     from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
+    from kvlab.engine.llm import kv_calibration_for
     from kvlab.engine.sizing import budget_for
 
     loaded = load_from_args(args)
@@ -53,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
                         f"{model.config.max_seq_len}-token context")
     chunk = 2048
     budget = budget_for(model, args.kv_cache_dtype, 1, total, DEFAULT_BLOCK_SIZE, chunk)
+    calibration = kv_calibration_for(args.model, args.kv_cache_dtype, args.kv_calibration)
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=budget,
-                                                      max_num_seqs=1, max_num_batched_tokens=chunk, seed=args.seed))
+                                                      max_num_seqs=1, max_num_batched_tokens=chunk, seed=args.seed,
+                                                      max_model_len=total, kv_calibration=calibration))
 
     def write(piece: str) -> None:
         sys.stdout.write(piece)

@@ -13,7 +13,10 @@ def add_lab_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="smollm2-135m, stories260k, a .gguf file or a Hugging Face model directory")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=POOL_KV_CACHE_DTYPES,
                         help="KV cache storage, the engine's paged pool as `kvlab serve` runs it (auto = the "
-                             "activations' dtype; KVQuant's calibrated formats run in `kvlab eval`)")
+                             "activations' dtype)")
+    parser.add_argument("--kv-calibration", metavar="FILE",
+                        help="kvquant3/kvquant4's codebooks and key ranges, from `kvlab calibrate-kv` (default: the "
+                             "file it writes beside the model)")
     parser.add_argument("--kv-heads", type=positive_int,
                         help="convert to this many KV heads first (mean-pooled groups, or repeated heads); fewer "
                              "heads without uptraining is not a usable model: see kvlab convert and kvlab uptrain")

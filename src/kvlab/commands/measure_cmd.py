@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 from kvlab.commands.args import non_negative_int, positive_float, positive_int
 from kvlab.commands.lab_args import add_lab_arguments, load_from_args
@@ -53,7 +54,8 @@ def weight_bytes_read(model) -> int:
     return sum(t.nbytes for key, t in tensors.items() if key not in skip)
 
 
-def run_batch(model, tokenizer, prompts, new_tokens: int, kv_cache_dtype: str):
+def run_batch(model, tokenizer, prompts, new_tokens: int, kv_cache_dtype: str,
+              kv_calibration: Optional[str] = None):
     """Decode `prompts` (a list of id lists) together through the engine, as `kvlab serve` would, on a
     pool sized for exactly this batch: (engine, sequences, prefill seconds, decode seconds)."""
     import torch
@@ -67,7 +69,8 @@ def run_batch(model, tokenizer, prompts, new_tokens: int, kv_cache_dtype: str):
     budget = budget_for(model, kv_cache_dtype, len(prompts), total, DEFAULT_BLOCK_SIZE, chunk)
     engine = LLMEngine(model, tokenizer, EngineConfig(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=budget,
                                                       max_num_seqs=len(prompts), max_num_batched_tokens=chunk,
-                                                      enable_prefix_caching=False))
+                                                      enable_prefix_caching=False, max_model_len=total,
+                                                      kv_calibration=kv_calibration))
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     with torch.inference_mode():
         engine.add_request(prompts[0][:8], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -97,16 +100,19 @@ def measure(args: argparse.Namespace) -> dict:
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len),
                            generator=torch.Generator().manual_seed(args.seed))
     held = total - 1  # the last token generated is never fed back, so the cache ends holding this many
+    from kvlab.engine.llm import kv_calibration_for
+    calibration = kv_calibration_for(args.model, args.kv_cache_dtype, args.kv_calibration)
     engine, seqs, prefill_s, decode_s = run_batch(model, loaded.tokenizer, prompt.tolist(), args.new_tokens,
-                                                  args.kv_cache_dtype)
+                                                  args.kv_cache_dtype, calibration)
     stats = {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": args.new_tokens - 1}
 
     spec = config.to_plan_spec()
     model_dtype = model_dtype_name(model.dtype)
     formats = cache_formats(args.kv_cache_dtype, model_dtype=model_dtype)
     pool = engine.pool
-    capacity = engine_capacity(spec, pool.nbytes(), held, formats, pool.block_size, pool.seats)
-    planned = capacity["num_gpu_blocks"] * capacity["block_bytes_all_layers"] + capacity.get("residual_bytes", 0)
+    capacity = engine_capacity(spec, pool.nbytes(), engine.max_model_len, formats, pool.block_size, pool.seats)
+    planned = capacity["num_gpu_blocks"] * capacity["block_bytes_all_layers"] + capacity.get("residual_bytes", 0) + \
+        capacity.get("fixed_bytes", 0)
     measured = pool.nbytes()  # the pool sized for this batch (kvlab.engine.sizing): the plan's bytes for its blocks
 
     if args.bandwidth_gbs:

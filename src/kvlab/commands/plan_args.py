@@ -138,7 +138,7 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     hardware.add_argument("--engine", choices=("kvlab", "vllm"), default="kvlab",
                           help="vllm: round to blocks and print vLLM's start-up lines")
     hardware.add_argument("--block-size", type=positive_int,
-                          help="vLLM tokens per block (16; 128 with --vllm-device cpu)")
+                          help="vLLM tokens per block (16; 128 with --vllm-device cpu; kvlab's engine 64)")
     hardware.add_argument("--vllm-device", choices=("cuda", "cpu"), default="cuda",
                           help="vLLM backend: cuda, or cpu (128-token blocks, budget from VLLM_CPU_KVCACHE_SPACE GiB "
                                "unless --kv-cache-memory is given)")
@@ -148,7 +148,8 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                                "profiled activation peak")
     hardware.add_argument("--max-num-seqs", type=positive_int,
                           help="vLLM's concurrent-sequence limit (vllm serve's default: 1024 on 70+ GiB cards, else "
-                               "256; CPU 128); sizes the profiled sampler peak")
+                               "256; CPU 128); sizes the profiled sampler peak; with --engine kvlab, kvlab's "
+                               "engine's seats (64), which hold KIVI's residuals and KVQuant's sinks and outliers")
     hardware.add_argument("--vllm-version", choices=tuple(RELEASES), default=DEFAULT_VERSION,
                           help=f"the vLLM release whose arithmetic and log lines to reproduce ({DEFAULT_VERSION}, "
                                "the one kvlab benchmarks; 0.19: releases before the logged-size change)")

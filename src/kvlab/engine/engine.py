@@ -34,8 +34,8 @@ from kvlab.nn.threads import ThreadGovernor, step_kind
 from kvlab.plan.capacity import cache_formats
 from kvlab.plan.speculative import shared_pool_blocks
 from kvlab.plan.units import parse_bytes
-from kvlab.plan.kv_formats import KIVI
-from kvlab.plan.pool_capacity import engine_capacity
+from kvlab.plan.kv_formats import KVQUANT
+from kvlab.plan.pool_capacity import DEFAULT_MAX_NUM_SEQS, engine_capacity, uses_seats
 
 log = logging.getLogger("kvlab.engine")
 DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
@@ -49,7 +49,7 @@ class EngineConfig:
     kv_cache_memory: Optional[Union[int, str]] = None  # bytes or "2GiB"; None: a share of available memory
     kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
     block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # None: the model's own context length
     max_wait_ms: float = 0.0
@@ -64,6 +64,10 @@ class EngineConfig:
     gpu_memory_utilization: Optional[float] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # kvquant3/kvquant4's codebooks and key ranges (`kvlab calibrate-kv`), as `kvlab eval --kv-calibration`
+    kv_calibration: Optional[str] = None
+    # keys cached before RoPE and rotated once read (`kvlab eval --pre-rope-keys`; KVQuant's always are)
+    pre_rope_keys: bool = False
 
     def __post_init__(self) -> None:
         # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
@@ -158,11 +162,17 @@ class LLMEngine:
         windowed = config.kv_window is not None
         if windowed and self.speculative is not None:
             raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
-        kivi = formats.k.scheme == KIVI  # quantised blocks plus a residual per seat (kvlab.cache.kivi_pool)
-        if kivi and (self.speculative is not None or windowed):
-            raise RequestError(f"{formats.k.name} pools quantise what a step wrote; speculative decoding and "
+        # KIVI and KVQuant keep state per seat (kvlab.cache.kivi_pool, kvquant_pool): a KIVI residual, KVQuant's sinks
+        # and key outliers
+        seated = uses_seats(formats)
+        if config.pre_rope_keys and windowed:
+            raise RequestError("--pre-rope-keys rotates every cached key at its position; --kv-window drops "
+                               "positions", "pre_rope_keys")
+        if seated and (self.speculative is not None or windowed):
+            raise RequestError(f"{formats.k.name} pools keep per-sequence state in seats; speculative decoding and "
                                "--kv-window are not supported with them", "kv_cache_dtype")
-        seats = config.max_num_seqs if kivi else 0
+        seats = config.max_num_seqs if seated else 0
+        calibration = self._calibration(formats, mc)
         if draft is None:
             spec = mc.to_plan_spec().with_kv_window(config.kv_window, config.sink_tokens) if windowed \
                 else mc.to_plan_spec()
@@ -186,18 +196,21 @@ class LLMEngine:
             raise RequestError("a draft model shares the pool's blocks with a target of one KV group; "
                                f"{mc.name} has sliding layers", "speculative_config")
         self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
-                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats)
+                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats,
+                                     calibration=calibration, max_tokens=self.max_model_len,
+                                     pre_rope=config.pre_rope_keys)
         draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
             if draft is not None else None
         # a KIVI pool's blocks hold what was quantised when they were written, which depends on the
-        # sequence's length then: a prefix computed in another sequence is not the same bytes
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not kivi,
+        # sequence's length then: a prefix computed in another sequence is not the same bytes; a KVQuant
+        # prefix's sinks and key outliers sit in the seat of the sequence that computed it
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not seated,
                                    self.pool.groups, seats)
         lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.paged_step:
+        if config.paged_step and not self.pool.pre_rope:  # the C step reads keys rotated when written
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
@@ -223,6 +236,16 @@ class LLMEngine:
         for line in self.capacity["log_lines"]:
             log.info(line)
         log.info(self.products_line)
+
+    def _calibration(self, formats, config):
+        """KVQuant's calibration for this model (None for other formats); a missing or mismatched file is one line."""
+        if formats.k.scheme != KVQUANT:
+            return None
+        if not self.config.kv_calibration:
+            raise RequestError(f"{formats.k.name} needs a KVQuant calibration: give --kv-calibration FILE "
+                               "(`kvlab calibrate-kv MODEL --data FILE` writes one beside the model)", "kv_calibration")
+        from kvlab.cache.kvquant_calibration import load_calibration
+        return load_calibration(self.config.kv_calibration, config)
 
     @property
     def products_line(self) -> str:

@@ -37,11 +37,23 @@ def load_for_engine(model: str, weights: str = "auto", dtype: str = "fp32", thre
     return loaded.model, loaded.tokenizer
 
 
+def kv_calibration_for(model: str, kv_cache_dtype: Optional[str], explicit: Optional[str] = None) -> Optional[str]:
+    """The KVQuant calibration a kvquant3/kvquant4 engine loads: `explicit`, else the file `kvlab calibrate-kv`
+    writes beside the model (`kvlab eval`'s default too); None for the other formats."""
+    if explicit or not (kv_cache_dtype or "").startswith("kvquant"):
+        return str(explicit) if explicit else None
+    from kvlab.cache.kvquant_calibration import default_calibration_path
+    from kvlab.checkpoints.resolve import resolve_model_path
+    return str(default_calibration_path(resolve_model_path(model)))
+
+
 class LLM:
     def __init__(self, model: str, *, weights: str = "auto", dtype: str = "fp32", threads: Optional[int] = None,
                  **engine_args) -> None:
         """`engine_args` are EngineConfig's fields: kv_cache_dtype, kv_cache_memory, block_size, max_num_seqs, ..."""
         net, tokenizer = load_for_engine(model, weights, dtype, threads)
+        engine_args["kv_calibration"] = kv_calibration_for(model, engine_args.get("kv_cache_dtype"),
+                                                           engine_args.get("kv_calibration"))
         self.engine = LLMEngine(net, tokenizer, EngineConfig(**engine_args))
 
     def generate(self, prompts: Union[Prompt, list[Prompt]], sampling_params: Union[SamplingParams,

@@ -13,8 +13,7 @@ from kvlab.cache.base import model_dtype_name
 from kvlab.cache.kv_groups import model_groups
 from kvlab.cache.pool import layer_groups
 from kvlab.plan.capacity import cache_formats
-from kvlab.plan.kv_formats import KIVI
-from kvlab.plan.pool_capacity import engine_capacity, kivi_seat_bytes
+from kvlab.plan.pool_capacity import engine_capacity, seat_bytes, uses_seats
 
 
 def budget_for(model, kv_cache_dtype: str, sequences: int, tokens: int, block_size: int, chunk: int) -> int:
@@ -22,8 +21,9 @@ def budget_for(model, kv_cache_dtype: str, sequences: int, tokens: int, block_si
     config = model.config
     formats = cache_formats(kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
     spec = config.to_plan_spec()
-    seats = sequences if formats.k.scheme == KIVI else 0
-    per_block = engine_capacity(spec, 0, tokens, formats, block_size, seats, chunk)["block_bytes_all_layers"]
+    seats = sequences if uses_seats(formats) else 0
+    capacity = engine_capacity(spec, 0, tokens, formats, block_size, seats, chunk)
     groups = model_groups(config.sliding_windows, layer_groups(config, block_size))
     blocks = sequences * sum(group.peak_blocks(tokens, chunk, block_size) for group in groups)
-    return blocks * per_block + (seats * kivi_seat_bytes(spec, formats) if seats else 0)
+    return blocks * capacity["block_bytes_all_layers"] + seats * seat_bytes(spec, formats, tokens) + \
+        capacity.get("fixed_bytes", 0)

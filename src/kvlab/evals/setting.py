@@ -61,9 +61,9 @@ class KVSetting:
 
     @property
     def in_paged_pool(self) -> bool:
-        """Whether the engine's paged pool stores this setting (every format but KVQuant's, and keys
-        rotated before caching): then the eval runs on that pool, the bytes and the forward the
-        engine serves (kvlab.cache.PooledRows)."""
+        """Whether the eval runs on the engine's paged pool (kvlab.cache.PooledRows: its bytes and forward):
+        every setting but KVQuant's and pre-RoPE keys, which run on the lab's own caches; the engine serves
+        those too, holding the same keys and values (tests/engine/test_engine_kvquant.py)."""
         return not (self.pre_rope or self.is_kvquant)
 
     @property

@@ -123,12 +123,16 @@ class Attention(nn.Module):
         heads = self.qkv(x[0]).view(tokens, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(0, 1)
         q_and_k = self.n_heads + self.n_kv_heads
         heads = self._normed(heads, 0)
-        rotated = rope.at(heads[:q_and_k], step.positions)  # [Hq + Hkv, N, D], each token at its own position
-        q, k, v = rotated[:self.n_heads], rotated[self.n_heads:], heads[q_and_k:]
+        # a pre-RoPE pool (KVQuant's per-channel keys) stores keys as they are; they are rotated once read
+        pre_rope = getattr(pool, "pre_rope", False)
+        rotated = rope.at(heads[:self.n_heads if pre_rope else q_and_k], step.positions)  # each token at its position
+        q, k, v = rotated[:self.n_heads], (heads if pre_rope else rotated)[self.n_heads:q_and_k], heads[q_and_k:]
         pool.store(layer, k.transpose(0, 1), v.transpose(0, 1), step)
         outs, at = [], 0
         for s, new in enumerate(step.query_lens):
             keys, values, mask = pool.attention_inputs(layer, step, s)
+            if pre_rope:  # a pre-RoPE pool holds every position 0..context-1 (no windows)
+                keys = rope.at(keys, torch.arange(keys.shape[1]))
             outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]

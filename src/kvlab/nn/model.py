@@ -173,8 +173,9 @@ class Decoder(nn.Module):
                   kv_window: Optional[int] = None, sink_tokens: int = 0):
         """The lab's cache for `batch` rows of `max_tokens` tokens: the engine's paged pool, one block per
         row (kvlab.cache.PooledRows), so every command runs the formats, the step description and the
-        forward the engine serves. KVQuant's formats and pre-RoPE keys, which the pool does not
-        store, get the lab's own cache (`reference_cache`)."""
+        forward the engine serves. KVQuant's formats (which need a calibration) and pre-RoPE keys get the
+        lab's own cache (`reference_cache`), whose keys and values the pool's equal (tests/cache/test_kvquant_pool.py,
+        tests/engine/test_engine_kvquant.py)."""
         if pre_rope or kv_cache_dtype.startswith("kvquant"):
             return self.reference_cache(batch, max_tokens, kv_cache_dtype, group_size, residual, pre_rope)
         return PooledRows.for_model(self.config, batch, max_tokens, kv_cache_dtype, self.dtype, group_size, residual,

@@ -24,8 +24,9 @@ Conventions (chosen to match what the caches really hold):
   that range, as many in a token as it has (KVQuant's per-channel outlier thresholds), so they
   are stored as compressed sparse rows: a count per row (one byte, two past 255 channels) and
   a pool per head of `outlier_capacity(n, dim, percent)` = floor(n * dim * percent / 100)
-  (value, channel) slots for n rows; a token may use the slots earlier tokens left free, and
-  once the pool is full the least-out-of-range values are clipped instead. Values are
+  (value, channel) slots for n rows; a token may use the slots earlier tokens left free (never
+  a later token's, so a token's outliers do not depend on how a prompt is chunked), and once
+  the pool is full its least-out-of-range values are clipped instead. Values are
   normalised per token, so a value row adds an fp16 scale and zero point and keeps its
   `ceil(dim * percent / 100)` largest values as outliers (KVQuant's per-token outliers).
   The first `sink_tokens` tokens of a sequence (the attention sink) are kept whole in fp16.
@@ -72,13 +73,13 @@ ACTIVATION_DTYPES = ("fp32", "bf16")  # what kvlab's CPU models compute in: --dt
 # each. "lab": kvlab eval's caches (every format); "pool": the engine's paged pool (kvlab.cache.pool), so
 # serve, generate, bench; "c_step": the pool formats the paged decode step runs in C (kvlab.nn.paged_decode,
 # fp32 activations; int8/int4/int2 in groups of a multiple of 8 channels); the others decode module by module.
-# "auto" is the model's dtype. KVQuant's calibrated codebooks run in the lab only.
+# "auto" is the model's dtype. KVQuant's formats need their calibration (`kvlab calibrate-kv`) wherever they run.
 KV_CACHE_DTYPE_PATHS = {
     "auto": ("lab", "pool", "c_step"), "fp16": ("lab", "pool", "c_step"), "bf16": ("lab", "pool", "c_step"),
     "fp32": ("lab", "pool", "c_step"), "fp8": ("lab", "pool", "c_step"), "fp8_e4m3": ("lab", "pool", "c_step"),
     "fp8_e5m2": ("lab", "pool", "c_step"), "int8": ("lab", "pool", "c_step"), "int4": ("lab", "pool", "c_step"),
     "int2": ("lab", "pool", "c_step"), "kivi2": ("lab", "pool"), "kivi4": ("lab", "pool"),
-    "kvquant3": ("lab",), "kvquant4": ("lab",),
+    "kvquant3": ("lab", "pool"), "kvquant4": ("lab", "pool"),
 }
 KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_PATHS)
 POOL_KV_CACHE_DTYPES = tuple(name for name, paths in KV_CACHE_DTYPE_PATHS.items() if "pool" in paths)

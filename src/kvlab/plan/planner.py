@@ -213,6 +213,7 @@ def plan(spec: ModelSpec, request: PlanRequest) -> dict[str, Any]:
         result["kv_cache_tokens"] = capacity.kv_cache_tokens(spec, usable, formats, tp)
         result["seats"] = capacity.seats(spec, usable, request.context, formats, tp)
         result["max_context"] = capacity.max_context(spec, usable, request.batch, formats, tp)
+        _add_kvlab_pool(spec, request, formats, budget, result)
     result["fits"] = budget > 0 and result["seats"] >= request.batch
     if not result["fits"]:
         result["does_not_fit"] = _what_fits(request, budget, result)
@@ -243,6 +244,22 @@ def _add_vllm(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheForm
         longest = spec.max_context  # vLLM refuses a --max-model-len beyond the model's positions
         result["max_context_limited_by"] = "max_position_embeddings"
     result["max_context"] = longest
+
+
+def _add_kvlab_pool(spec: ModelSpec, request: PlanRequest, formats: capacity.CacheFormats, budget: int,
+                    result: dict[str, Any]) -> None:
+    """For the formats only kvlab serves (KIVI, KVQuant: state per seat), the lines kvlab's engine logs for a pool
+    of `budget` bytes with --max-model-len = --context (kvlab.plan.pool_capacity; for the others, --engine vllm's)."""
+    from kvlab.plan.pool_capacity import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, engine_capacity, uses_seats
+    if not uses_seats(formats) or request.tensor_parallel != 1:
+        return
+    try:
+        result["kvlab_engine"] = engine_capacity(spec, budget, request.context, formats,
+                                                 request.block_size or DEFAULT_BLOCK_SIZE,
+                                                 request.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                                                 request.max_num_batched_tokens or 2048)
+    except PlanError:  # a model the pool does not serve in this format (windows, MLA): the plan stands alone
+        return
 
 
 def _what_fits(request: PlanRequest, budget: int, result: dict[str, Any]) -> str:

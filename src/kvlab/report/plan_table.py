@@ -122,6 +122,8 @@ def render_plan(result: dict[str, Any], console: Console) -> None:
         render_startup(result["vllm_startup"], console)
     if "vllm" in result:
         render_vllm(result["vllm"], console)
+    for line in result.get("kvlab_engine", {}).get("log_lines", []):
+        console.print(f"kvlab's engine would log: {line}", soft_wrap=True, highlight=False)
 
 
 def render_startup(table_data: dict[str, Any], console: Console) -> None:

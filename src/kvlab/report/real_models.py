@@ -13,7 +13,7 @@ from typing import Optional
 
 from kvlab.bench import real_models_throughput as throughput
 from kvlab.bench import real_models_uptrain as uptrain
-from kvlab.bench.real_models import ENGINE_MEMORY, LENGTHS, SINKS, SMOLLM2, WINDOW
+from kvlab.bench.real_models import ENGINE_MEMORY, ENGINE_SEATS, LENGTHS, SINKS, SMOLLM2, WINDOW
 from kvlab.bench.real_models_gemma import STUDY as GEMMA
 from kvlab.bench.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, EVAL_TEXT, OFFSET, SEEDS, SERVE_CONTEXT,
                                            TRIALS, WINDOWS, change, fraction)
@@ -27,8 +27,9 @@ def cell(row: Optional[dict]) -> Optional[str]:
     output tok/s and, where it was not the C step, the path."""
     if row is None:
         return None
-    path = "" if row["decode_path"] == "fused C step" else f" ({row['decode_path']})"
-    return f"{row['output_tokens_per_s']:.1f}{path}"
+    notes = [] if row["decode_path"] == "fused C step" else [row["decode_path"]]
+    notes += ["dense weights"] if row.get("weights") == "dense" else []
+    return f"{row['output_tokens_per_s']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def uptrain_line(out: Path) -> str:
@@ -108,15 +109,20 @@ def render(out: Path) -> Path:
         "the blocks out of the window), and its line is the one beside the row.",
         f"- Seats: `kvlab.plan` at {SERVE_CONTEXT:,} tokens per sequence, fp16 weights, 90% of the card "
         "(what `kvlab plan smollm2-135m --context 8192 --gpu l4 --kv-cache-dtype ...` prints). Engine line: "
-        f"kvlab's engine built with a {ENGINE_MEMORY // 2**20} MiB pool and --max-model-len {SERVE_CONTEXT}, "
-        "where its paged pool serves the format (float and int rows; not KIVI, KVQuant, pre-RoPE or MLA's latent).",
+        f"kvlab's engine built with a {ENGINE_MEMORY // 2**20} MiB pool, --max-model-len {SERVE_CONTEXT} and "
+        f"--max-num-seqs {ENGINE_SEATS} (KIVI's residuals and KVQuant's sinks and key outliers take their seats' "
+        "share of the pool first), for every row: the engine serves every format, pre-RoPE keys and the "
+        "in-memory conversions (a converted checkpoint, `kvlab convert` then `kvlab serve OUT`).",
         f"- Engine tok/s: kvlab's engine on the GGUF model, {throughput.REQUESTS} concurrent requests of "
         f"{throughput.INPUT_LEN} random prompt tokens and {throughput.OUTPUT_LEN} output tokens each, output "
         "tokens per second over the run (kvlab.bench.real_models_throughput; every run's figures and "
         "provenance in engine_throughput.json). The fused C step serves fp16, fp8 and int8 pools; other formats "
-        "run module by module, as the cell says. One run per row on a machine whose speed drifts by about a "
-        "third between minutes: read differences under that as noise. No figure for formats the pool does not "
-        "serve, nor for the KV-head conversions (the engine loads the unconverted GGUF blocks).",
+        "(int4, KIVI, KVQuant, pre-RoPE keys, the window policy) run module by module, as the cell says. One run "
+        "per row on a machine whose speed drifts by about a third between minutes: read differences under that "
+        "as noise. The KV-head and MLA conversions run on the dense model converted in memory (the GGUF blocks "
+        "are not converted), as `kvlab serve` serves a converted checkpoint: \"dense weights\", so their speed is "
+        "the conversion's and the dense products', not comparable with the other rows'. The uptrained row is not "
+        "measured (its weights are its training run's).",
         "",
         *table(HEADER, [table_cells(row, base, measured) for row in rows]),
         "", "Passkey by length (both seeds, all depths) and by seed (both lengths):", "",
