@@ -213,11 +213,10 @@ static inline int packed_rows(int dtype, int d, int gsize) {
     return w && d % w == 0 && (gsize >= d || gsize % w == 0);
 }
 
-static inline __attribute__((always_inline)) __m256i packed_word(const kv_plane *p, int dtype, size_t slot, int i,
-                                                                 int d) {
-    const unsigned bits = (unsigned)cache_code_bits(dtype); /* unsigned: the divisions are shifts */
-    const uint8_t *row = (const uint8_t *)p->data + slot * ((unsigned)d * bits / 8) + (unsigned)i * bits / 8;
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)row));
+/* The word holding channel i (a multiple of W) of the row `at` bytes into plane p's codes. */
+static inline __attribute__((always_inline)) __m256i packed_word(const kv_plane *p, int dtype, size_t at, int i) {
+    const uint8_t *word = (const uint8_t *)p->data + at + (unsigned)i * (unsigned)cache_code_bits(dtype) / 8;
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)word));
 }
 
 static inline __attribute__((always_inline)) __m256 packed_plane(__m256i word, int dtype, int k) {

@@ -170,6 +170,7 @@ typedef struct {
     int len, d, gsize, groups;
     int integer; /* int8 on integer dot products (attend_int8.h) */
     int packed;  /* int4/int2 read a word (8 bytes) at a time as planes, the query permuted to match (kv_codecs.h) */
+    size_t at[CHUNK]; /* packed: where each row's codes start, in bytes (slots times the row's bytes) */
     int tables;  /* fp8 converted through byte tables on AVX-512 (attend_fp8.h) */
 } chunk_rows;
 
@@ -215,7 +216,7 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
         const int P = 8 / cache_code_bits(dtype);
         for (int i = lo; i < hi; i += 8 * P) {
             __m256i word[4]; /* TB <= 4 words, each widened once for its P planes */
-            for (int u = 0; u < TB; u++) word[u] = packed_word(k, dtype, c->slots[t0 + u], i, c->d);
+            for (int u = 0; u < TB; u++) word[u] = packed_word(k, dtype, c->at[t0 + u], i);
             for (int p = 0; p < P; p++) {
                 __m256 x[4];
                 for (int u = 0; u < TB; u++) x[u] = packed_plane(word[u], dtype, p);
@@ -312,11 +313,11 @@ static inline __attribute__((always_inline)) void packed_value_sums(const kv_pla
     for (int h = 0; h < GH; h++)
         for (int u = 0; u < NW * NP; u++) acc[h][u] = _mm256_setzero_ps();
     for (int t = 0; t < c->len; t++) {
-        const size_t slot = c->slots[t];
+        const size_t at = c->at[t];
         __m256 wt[4];
         for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
         for (int n = 0; n < NW; n++) {
-            const __m256i word = packed_word(v, dtype, slot, i0 + n * W, c->d);
+            const __m256i word = packed_word(v, dtype, at, i0 + n * W);
             for (int p = 0; p < NP; p++) {
                 const __m256 x = packed_plane(word, dtype, K0 + p);
                 for (int h = 0; h < GH; h++) acc[h][n * NP + p] = _mm256_fmadd_ps(wt[h], x, acc[h][n * NP + p]);
@@ -482,6 +483,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         }
         t += run;
     }
+    if ((dtype == CACHE_INT4 || dtype == CACHE_INT2) && c.packed)
+        for (int t = 0; t < c.len; t++) c.at[t] = c.slots[t] * row_bytes(dtype, d);
     for (int t = 0; t < PREFETCH && t < c.len; t++) { /* the first rows; the key loop asks for the rest ahead */
         prefetch_row(&l->k, dtype, c.slots[t], d, c.groups);
         prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
