@@ -201,9 +201,9 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
  * widened to eight 32-bit lanes, plane k is lane m's code k, channel P m + k of the word's W = 8 P
  * channels. One zero-extending load, then per plane a shift and a mask (the top plane needs no
  * mask, the lowest no shift) and a conversion: sixteen int4 codes for five operations where
- * load8's broadcast, variable shift and mask paid seven for eight. The attention loop takes the
- * planes as they come, against a query whose channels it permuted the same way once per chunk
- * (packed_order), and puts the value sums back in channel order once at the end. */
+ * load8 paid eight (a broadcast, a variable shift, a mask and a conversion per eight). The attention loop takes the
+ * planes as they come, against query heads whose channels layer_step permuted the same way once
+ * per step (packed_order), and puts the value sums back in channel order once per chunk. */
 static inline int packed_width(int dtype) { return 64 / cache_code_bits(dtype); } /* W: channels a word holds */
 
 /* Whether rows of d channels in groups of gsize (>= d: one group) can be read as whole words: every
