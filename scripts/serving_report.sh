@@ -22,6 +22,8 @@
 #   lmeval              lm-evaluation-harness against kvlab serve (GGUF and dense weights) and vLLM's server
 #   structured          structured outputs: llguidance vs xgrammar, 100 answers validated, constrained step cost
 #   plain               plain requests against the server before vLLM's request fields (BASE, a commit)
+#   int4                the C step's int4/int2 pools against fp16 and int8 at 16 rows x 4,096 tokens (kvlab bench
+#                       paged-decode), and kvlab measure at a 2,048-token prompt, fp16 and int4 taking turns; one thread
 # vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +104,12 @@ for piece in $PIECES; do
             --input-len 128 --max-concurrency 1,16 --num-prompts 2x --output-len 64 --disable-tqdm \
             --json "$OUT/compare_plain.json"
         rm -rf "$before" ;;
+    int4)  # not in the default PIECES: run it as PIECES=int4 (the README's "int4 and int2 pools" quotes it)
+        "${LOCK[@]}" "${KVLAB[@]}" bench paged-decode --threads 1 --repeats 11 --block-sizes 64 \
+            --formats fp16,int8,int4,int2 --json "$OUT/paged_int4_fp16.json"
+        "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_int4_fp16.json" --formats fp16,int4 --rounds 2 \
+            --what "kvlab measure at a 2,048-token prompt, fp16 against int4 pools, two rounds taking turns, one thread" \
+            -- "$MODEL" --threads 1 --prompt-len 2048 --new-tokens 64 ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

@@ -202,6 +202,28 @@ def test_seventeen_rows_in_a_group_pool(activations, kv_cache_dtype):
                 POSITIONS[17], kv_cache_dtype, steps=1)
 
 
+# int4/int2 rows whose groups are whole words (16 channels for int4, 32 for int2) are read eight
+# bytes at a time as planes of codes, against query heads permuted to the planes' order
+# (csrc/kv_codecs.h, packed_word): heads of 64 and 128 channels, one group or several (3 of 48,
+# 48 and 32 channels; 2 of 80 and 48: the last one short), query packs of 1, 3, 4 and 2.
+PLANE_HEADS = {shape["name"]: ModelConfig(**{**LONG.to_dict(), **shape, "n_layers": 1}) for shape in [
+    {"dim": 128, "n_heads": 2, "n_kv_heads": 2, "name": "d64-pack1"},
+    {"dim": 192, "n_heads": 3, "n_kv_heads": 1, "name": "d64-pack3"},
+    {"dim": 768, "n_heads": 6, "n_kv_heads": 1, "name": "d128-packs4+2"}]}
+PLANES = [("d64-pack3", "int4", None), ("d64-pack3", "int4", 16), ("d64-pack3", "int2", None),
+          ("d64-pack1", "int4", None), ("d64-pack1", "int2", 32), ("d128-packs4+2", "int4", None),
+          ("d128-packs4+2", "int4", 48), ("d128-packs4+2", "int4", 80), ("d128-packs4+2", "int2", 96)]
+
+
+@pytest.mark.parametrize("shape,kv_cache_dtype,group_size", PLANES,
+                         ids=[f"{shape}-{dtype}" + (f"-g{group}" if group else "") for shape, dtype, group in PLANES])
+def test_packed_rows_read_as_planes_equal_module_steps(shape, kv_cache_dtype, group_size):
+    """One step of 17 rows (chunks of many lengths) against the module path: a plane read into the
+    wrong channel, or a group's scale applied to the wrong words, moves the logits by a code's
+    share of a group's range, far past summation order."""
+    check_steps(ggml_model(PLANE_HEADS[shape]), POSITIONS[17], kv_cache_dtype, group_size=group_size, steps=1)
+
+
 # Heads of 64 and 128 channels, which AVX-512 attends in units of their own (int8 with one
 # group per row on integer dot products, csrc/attend_int8.h; fp8 on table-converted fp32
 # lanes, csrc/attend_fp8.h) and AVX2 in its fp32 loop: query packs of 1, 2, 3 (SmolLM2's) and

@@ -8,8 +8,10 @@ tensors in place: row r writes its K/V at block_tables[r][pos // block_size], of
 pos % block_size, and attends over its own blocks, all rows and layers in one call. fp8 and
 int8 pools are dequantised inside the attention loop, so at long context they read about
 half of fp16's bytes; int4 and int2 pools (GroupCodec's packed codes, with an fp16 scale and
-zero per group) likewise, each code widened in its lane from the packed word (int4 at SmolLM2's
-64-channel heads: 36 bytes a head-token against fp16's 128). Where the CPU has AVX-512 VNNI,
+zero per group) likewise (int4 at SmolLM2's 64-channel heads: 36 bytes a head-token against
+fp16's 128): where a group is whole 8-byte words (16 int4 channels, 32 int2) each word is
+widened once and read as planes of codes against query heads permuted to match (csrc/kv_codecs.h,
+packed_word), else each code is widened in its lane. Where the CPU has AVX-512 VNNI,
 int8 heads of a multiple of 64 channels (up to 256) with one scale per row skip that widening:
 their codes go into integer dot products (csrc/attend_int8.h), so those steps' logits differ
 from AVX2's in the last digits (tests hold them to the same tolerance as the module path).

@@ -196,6 +196,49 @@ static inline __attribute__((always_inline)) __m256 load8(const kv_plane *p, int
     }
 }
 
+/* int4/int2 rows read a word of eight bytes at a time, as planes (kvlab's packed layout, channel
+ * c in byte c / P at bits (c % P) * bits, P = 8 / bits codes a byte, unchanged): the word's bytes
+ * widened to eight 32-bit lanes, plane k is lane m's code k, channel P m + k of the word's W = 8 P
+ * channels. One zero-extending load, then per plane a shift and a mask (the top plane needs no
+ * mask, the lowest no shift) and a conversion: sixteen int4 codes for five operations where
+ * load8 paid eight (a broadcast, a variable shift, a mask and a conversion per eight). The attention loop takes the
+ * planes as they come, against query heads whose channels layer_step permuted the same way once
+ * per step (packed_order), and puts the value sums back in channel order once per chunk. */
+static inline int packed_width(int dtype) { return 64 / cache_code_bits(dtype); } /* W: channels a word holds */
+
+/* Whether rows of d channels in groups of gsize (>= d: one group) can be read as whole words: every
+ * word inside one group, so a group's scale and zero still apply to whole dot products. */
+static inline int packed_rows(int dtype, int d, int gsize) {
+    const int w = (dtype == CACHE_INT4 || dtype == CACHE_INT2) ? packed_width(dtype) : 0;
+    return w && d % w == 0 && (gsize >= d || gsize % w == 0);
+}
+
+/* The word holding channel i (a multiple of W) of the row `at` bytes into plane p's codes. */
+static inline __attribute__((always_inline)) __m256i packed_word(const kv_plane *p, int dtype, size_t at, int i) {
+    const uint8_t *word = (const uint8_t *)p->data + at + (unsigned)i * (unsigned)cache_code_bits(dtype) / 8;
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)word));
+}
+
+static inline __attribute__((always_inline)) __m256 packed_plane(__m256i word, int dtype, int k) {
+    const int bits = cache_code_bits(dtype), shift = k * bits;
+    __m256i codes = shift ? _mm256_srli_epi32(word, shift) : word;
+    if (shift + bits < 8) codes = _mm256_and_si256(codes, _mm256_set1_epi32((1 << bits) - 1));
+    return _mm256_cvtepi32_ps(codes);
+}
+
+/* Channel c of a row as its planes order it: at word c / W * W, plane c % P, lane c % W / P. */
+static inline int packed_order(int dtype, int c) {
+    const int P = 8 / cache_code_bits(dtype), w = packed_width(dtype);
+    return c / w * w + c % P * 8 + c % w / P;
+}
+
+/* A query head's d channels into packed_order, in place (once per step and head, not per chunk). */
+static inline void packed_permute(float *x, int dtype, int d) {
+    float tmp[d];
+    memcpy(tmp, x, sizeof tmp);
+    for (int c = 0; c < d; c++) x[packed_order(dtype, c)] = tmp[c];
+}
+
 /* Ask for row `slot` of plane p (and, for the group formats, its scale and zero) ahead of use. Attention
  * walks a row's blocks in table order, which the hardware prefetchers cannot follow past a
  * block (blocks sit anywhere in the pool): without this the loop waited on memory for each

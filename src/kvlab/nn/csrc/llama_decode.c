@@ -171,6 +171,8 @@ typedef struct {
     float k_scale[CHUNK], k_zero[CHUNK], v_scale[CHUNK], v_zero[CHUNK];
     int len, d, gsize, groups;
     int integer; /* int8 on integer dot products (attend_int8.h) */
+    int packed;  /* int4/int2 read a word (8 bytes) at a time as planes, the query permuted to match (kv_codecs.h) */
+    size_t at[CHUNK]; /* packed: where each row's codes start, in bytes (slots times the row's bytes) */
     int tables;  /* fp8 converted through byte tables on AVX-512 (attend_fp8.h) */
 } chunk_rows;
 
@@ -212,11 +214,27 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
                                                           const int GH, const int TB) {
     __m256 acc[12]; /* GH x TB <= 12; a fixed size, so the accumulators can live in registers */
     for (int a = 0; a < GH * TB; a++) acc[a] = _mm256_setzero_ps();
-    for (int i = lo; i < hi; i += 8) {
-        for (int u = 0; u < TB; u++) {
-            const __m256 x = load8(k, dtype, c->slots[t0 + u], i, c->d);
-            for (int h = 0; h < GH; h++)
-                acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x, acc[h * TB + u]);
+    if ((dtype == CACHE_INT4 || dtype == CACHE_INT2) && c->packed) { /* q in packed_order: plane p of a word meets q[i + 8 p ..] */
+        const int P = 8 / cache_code_bits(dtype);
+        for (int i = lo; i < hi; i += 8 * P) {
+            __m256i word[4]; /* TB <= 4 words, each widened once for its P planes */
+            for (int u = 0; u < TB; u++) word[u] = packed_word(k, dtype, c->at[t0 + u], i);
+            for (int p = 0; p < P; p++) {
+                __m256 x[4];
+                for (int u = 0; u < TB; u++) x[u] = packed_plane(word[u], dtype, p);
+                for (int h = 0; h < GH; h++) {
+                    const __m256 qv = _mm256_loadu_ps(q + h * c->d + i + 8 * p);
+                    for (int u = 0; u < TB; u++) acc[h * TB + u] = _mm256_fmadd_ps(qv, x[u], acc[h * TB + u]);
+                }
+            }
+        }
+    } else {
+        for (int i = lo; i < hi; i += 8) {
+            for (int u = 0; u < TB; u++) {
+                const __m256 x = load8(k, dtype, c->slots[t0 + u], i, c->d);
+                for (int h = 0; h < GH; h++)
+                    acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * c->d + i), x, acc[h * TB + u]);
+            }
         }
     }
     float sums[16];
@@ -252,6 +270,72 @@ static inline __attribute__((always_inline)) void value_sums(const kv_plane *v, 
                                            _mm256_set1_ps(factor)));
 }
 
+/* Group g's dot products of the chunk's keys, TB keys at a time: channels lo .. hi - 1 of the query
+ * heads q into dots (stride CHUNK); the first group's pass also asks memory for the rows ahead.
+ * Packed rows (PK: int4/int2, 36 B a token or less) ask for their scales and zeros every eighth
+ * token only, one line holding eight tokens' at four groups a row: six prefetches a token were
+ * about a tenth of int4's attention under perf. */
+static inline __attribute__((always_inline)) void key_pass(const llama_layer *l, int dtype, const chunk_rows *c,
+                                                          const float *q, int lo, int hi, int g, float *dots,
+                                                          const int PK, const int GH, const int TB) {
+    int t;
+    for (t = 0; t + TB <= c->len; t += TB) {
+        if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
+            for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
+                if (PK) {
+                    const size_t bytes = row_bytes(dtype, c->d), slot = c->slots[u];
+                    for (size_t at = 0; at < bytes; at += 64) {
+                        _mm_prefetch((const char *)l->k.data + slot * bytes + at, _MM_HINT_T0);
+                        _mm_prefetch((const char *)l->v.data + slot * bytes + at, _MM_HINT_T0);
+                    }
+                    if (u % 8 == 0) {
+                        const uint16_t *meta[4] = {l->k.scale, l->k.zero, l->v.scale, l->v.zero};
+                        for (int f = 0; f < 4; f++) _mm_prefetch((const char *)(meta[f] + slot * c->groups), _MM_HINT_T0);
+                    }
+                    continue;
+                }
+                prefetch_row(&l->k, dtype, c->slots[u], c->d, c->groups);
+                prefetch_row(&l->v, dtype, c->slots[u], c->d, c->groups);
+            }
+        key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
+    }
+    for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+}
+
+/* value_sums for int4/int2 rows read as planes (c->packed): words i0, i0 + W, .. (NW of them, W
+ * channels each), planes K0 .. K0 + NP - 1 of each, written back to out in channel order (a
+ * word's plane p, lane j is channel P j + p). Whole words and planes fixed at compile time, so
+ * each plane's shift and mask are constants. */
+static inline __attribute__((always_inline)) void packed_value_sums(const kv_plane *v, int dtype, const chunk_rows *c,
+                                                                   const float *w, int i0, const int NW, const int K0,
+                                                                   const int NP, const float *offset, float factor,
+                                                                   float *out, const int GH) {
+    const int P = 8 / cache_code_bits(dtype), W = 8 * P;
+    __m256 acc[4][8]; /* GH x NW NP <= 4 x 8 */
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < NW * NP; u++) acc[h][u] = _mm256_setzero_ps();
+    for (int t = 0; t < c->len; t++) {
+        const size_t at = c->at[t];
+        __m256 wt[4];
+        for (int h = 0; h < GH; h++) wt[h] = _mm256_broadcast_ss(w + h * CHUNK + t);
+        for (int n = 0; n < NW; n++) {
+            const __m256i word = packed_word(v, dtype, at, i0 + n * W);
+            for (int p = 0; p < NP; p++) {
+                const __m256 x = packed_plane(word, dtype, K0 + p);
+                for (int h = 0; h < GH; h++) acc[h][n * NP + p] = _mm256_fmadd_ps(wt[h], x, acc[h][n * NP + p]);
+            }
+        }
+    }
+    for (int h = 0; h < GH; h++)
+        for (int n = 0; n < NW; n++)
+            for (int p = 0; p < NP; p++) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, acc[h][n * NP + p]);
+                float *to = out + h * c->d + i0 + n * W + K0 + p;
+                for (int j = 0; j < 8; j++) to[j * P] = (lanes[j] + offset[h]) * factor;
+            }
+}
+
 /* GH (1..4) query heads sharing one KV head over one chunk: scores, softmax partials, then the
  * weighted values (TB keys, NV value vectors a pass, so the accumulators fit AVX2's 16
  * registers). The group formats' scale and zero apply per group of channels to whole dot products and
@@ -261,7 +345,11 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
                                                               const float *q, float *scores, float k_factor,
                                                               float v_factor, float *part_max, float *part_sum,
                                                               float *out, const int GH) {
-    const int TB = GH <= 3 ? 4 : 3, NV = GH == 1 ? 8 : GH <= 3 ? 4 : 2, d = c->d;
+    const int packed = (dtype == CACHE_INT4 || dtype == CACHE_INT2) && c->packed;
+    /* keys a pass: GH x TB accumulators and what they meet in AVX2's 16 registers (GH query vectors; packed
+     * rows: TB words, TB planes, a mask) */
+    const int TB = GH <= 3 ? 4 : 3, TBP = GH == 1 ? 4 : GH == 2 ? 3 : GH == 3 ? 3 : 2;
+    const int NV = GH == 1 ? 8 : GH == 2 ? 4 : 2, d = c->d;
     const int grouped = cache_grouped(dtype), groups = grouped ? c->groups : 1, gsize = grouped ? c->gsize : d;
     float part[4 * CHUNK]; /* group formats: one group's dot products, or its weights */
     int t;
@@ -278,20 +366,21 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
     for (int g = 0; g < groups; g++) {
         const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
         float *dots = grouped ? part : scores;
-        for (t = 0; t + TB <= c->len; t += TB) {
-            if (g == 0) /* this pass's keys PREFETCH rows ahead, and the same tokens' values for the pass after */
-                for (int u = t + PREFETCH; u < t + PREFETCH + TB && u < c->len; u++) {
-                    prefetch_row(&l->k, dtype, c->slots[u], d, c->groups);
-                    prefetch_row(&l->v, dtype, c->slots[u], d, c->groups);
-                }
-            key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, TB);
-        }
-        for (; t < c->len; t++) key_dots(&l->k, dtype, c, q, lo, hi, t, dots, GH, 1);
+        if (packed)
+            key_pass(l, dtype, c, q, lo, hi, g, dots, 1, GH, TBP);
+        else
+            key_pass(l, dtype, c, q, lo, hi, g, dots, 0, GH, TB);
         if (!grouped) break;
         load_group(l, c, g);
         for (int h = 0; h < GH; h++) { /* scores (+)= scale_t dot + zero_t sum(q_g), 8 tokens at a time */
             float qsum = 0.0f;
-            for (int i = lo; i < hi; i++) qsum += q[h * d + i];
+            if (packed) { /* eight lanes at a time (a group is whole words): the scalar sum's latency was 5% of int4's attention */
+                __m256 lanes = _mm256_setzero_ps();
+                for (int i = lo; i < hi; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(q + h * d + i));
+                qsum = hsum(lanes);
+            } else { /* int8 keeps its summation order: its tests sit near an fp16 rounding of the next layer's scales */
+                for (int i = lo; i < hi; i++) qsum += q[h * d + i];
+            }
             const __m256 qs = _mm256_set1_ps(qsum);
             float *sh = scores + h * CHUNK, *ph = part + h * CHUNK;
             for (t = 0; t < c->len; t += 8) { /* the buffers run to a multiple of 8 (CHUNK): the tail is ignored */
@@ -340,6 +429,21 @@ static inline __attribute__((always_inline)) void attend_heads(const llama_layer
             w = part;
         }
         int i = lo;
+        if (packed) {
+            /* planes a pass: NV vectors of accumulators per head, two for three and four heads (AVX2's 16
+             * registers also hold the weights, the word, a plane and the mask); whole words where they fit */
+            const int P = 8 / cache_code_bits(dtype), W = 8 * P, V = GH == 1 ? 8 : GH == 2 ? 4 : 2;
+            if (V >= P) {
+                for (; i + (V / P) * W <= hi; i += (V / P) * W)
+                    packed_value_sums(&l->v, dtype, c, w, i, V / P, 0, P, offset, v_factor, out, GH);
+                for (; i < hi; i += W) packed_value_sums(&l->v, dtype, c, w, i, 1, 0, P, offset, v_factor, out, GH);
+            } else {
+                for (; i < hi; i += W)
+                    for (int k0 = 0; k0 < P; k0 += V)
+                        packed_value_sums(&l->v, dtype, c, w, i, 1, k0, V, offset, v_factor, out, GH);
+            }
+            continue;
+        }
         for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, NV);
         for (; i < hi; i += 8) value_sums(&l->v, dtype, c, w, i, offset, v_factor, out, GH, 1);
     }
@@ -371,6 +475,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     c.groups = (d + c.gsize - 1) / c.gsize;
     c.integer = dtype == CACHE_INT8 && c.groups == 1 && d % 64 == 0 && d <= INT8_DOT_MAX_HEAD_DIM &&
                 kvlab_x8_isa() == X8_ISA_AVX512_VNNI;
+    c.packed = packed_rows(dtype, d, c.gsize);
     c.tables = (dtype == CACHE_FP8_E4M3 || dtype == CACHE_FP8_E5M2) && d % 64 == 0 && d <= FP8_DOT_MAX_HEAD_DIM &&
              kvlab_x8_isa() == X8_ISA_AVX512_VNNI && fp8_vbmi_usable();
     for (int t = start, at = 0; t < end;) { /* block by block: a division per token cost 6% of attention */
@@ -386,6 +491,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
         }
         t += run;
     }
+    if ((dtype == CACHE_INT4 || dtype == CACHE_INT2) && c.packed)
+        for (int t = 0; t < c.len; t++) c.at[t] = c.slots[t] * row_bytes(dtype, d);
     for (int t = 0; t < PREFETCH && t < c.len; t++) { /* the first rows; the key loop asks for the rest ahead */
         prefetch_row(&l->k, dtype, c.slots[t], d, c.groups);
         prefetch_row(&l->v, dtype, c.slots[t], d, c.groups);
@@ -393,7 +500,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
     if (c.integer) load_group(l, &c, 0); /* the rows' scales and zeros, once for every pack of query heads */
     const float scale = m->query_scale > 0.0f ? m->query_scale : 1.0f / sqrtf((float)d);
     const float k_factor = fp8_factor(&l->k, dtype, kvh) * scale, v_factor = fp8_factor(&l->v, dtype, kvh);
-    const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d; /* the group's query heads, adjacent */
+    /* the group's query heads, adjacent (packed rows: each in packed_order, layer_step permuted them) */
+    const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d;
     for (int h = 0; h < group;) {
         const int pack = group - h < 4 ? group - h : 4;
         const size_t at = (size_t)unit * group + h;
@@ -489,6 +597,8 @@ static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const p
             for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
         const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
         for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+        if (packed_rows(m->cache_dtype, d, m->group_size)) /* the order attention reads them in */
+            for (int h = 0; h < hq; h++) packed_permute(heads + h * d, m->cache_dtype, d);
         const int32_t block = v->tables[(size_t)r * v->max_blocks + pos / bs];
         for (int h = 0; h < hkv; h++) {
             const size_t slot = ((size_t)block * hkv + h) * bs + pos % bs;
