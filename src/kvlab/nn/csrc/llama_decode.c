@@ -205,6 +205,18 @@ static void load_group(const llama_layer *l, chunk_rows *c, int g) {
     for (int t = c->len; t % 8; t++) c->k_scale[t] = c->k_zero[t] = c->v_scale[t] = c->v_zero[t] = 0.0f;
 }
 
+/* dots[h][t0 + u] = the lanes of acc[h * TB + u] summed, four accumulators at a time: the end of
+ * every key-dot loop (GQA's key_dots, MLA's mla_key_dots). */
+static inline __attribute__((always_inline)) void store_dots(const __m256 *acc, int t0, float *dots, const int GH,
+                                                            const int TB) {
+    float sums[16];
+    int a = 0;
+    for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
+    for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
+    for (int h = 0; h < GH; h++)
+        for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
+}
+
 /* dots[h][t] = q_h . k_t over channels lo .. hi - 1 (raw lanes) for GH query heads (q, stride d)
  * and TB keys from t0 on: each key's lanes are loaded and widened once for all GH heads, each
  * query load serves TB keys, the GH x TB accumulators stay in registers and are summed four
@@ -237,12 +249,7 @@ static inline __attribute__((always_inline)) void key_dots(const kv_plane *k, in
             }
         }
     }
-    float sums[16];
-    int a = 0;
-    for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
-    for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
-    for (int h = 0; h < GH; h++)
-        for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
+    store_dots(acc, t0, dots, GH, TB);
 }
 
 /* out[h][i0 .. i0 + 8 NV) = (sum_t w[h][t] v_t (raw lanes) + offset[h]) factor over the chunk

@@ -78,12 +78,7 @@ static inline __attribute__((always_inline)) void mla_key_dots(const mla_rows *c
             for (int h = 0; h < GH; h++)
                 acc[h * TB + u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * qw + c->rank + i), x, acc[h * TB + u]);
         }
-    float sums[16];
-    int a = 0;
-    for (; a + 4 <= GH * TB; a += 4) _mm_storeu_ps(sums + a, hsum4(acc[a], acc[a + 1], acc[a + 2], acc[a + 3]));
-    for (; a < GH * TB; a++) sums[a] = hsum(acc[a]);
-    for (int h = 0; h < GH; h++)
-        for (int u = 0; u < TB; u++) dots[h * CHUNK + t0 + u] = sums[h * TB + u];
+    store_dots(acc, t0, dots, GH, TB);
 }
 
 /* A pack of GH heads' dots over the sub-block's rows. */
