@@ -155,3 +155,4 @@ def test_llama_server_peer_runs_the_binary_found_with_slots_or_says_how_to_build
     assert argv[argv.index("-np") + 1] == str(peers.LLAMA_SERVER_SLOTS)
     assert int(argv[argv.index("-c") + 1]) == peers.LLAMA_SERVER_SLOTS * 2048  # every slot holds 1,024 + output
     assert (argv[argv.index("-t") + 1], argv[argv.index("--port") + 1]) == ("2", "8000")
+    assert peer.vllm_extras is True  # it honours ignore_eos: without it, chats end early and the work differs

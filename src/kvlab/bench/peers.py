@@ -110,7 +110,7 @@ def known_peer(name: str, port: int, gguf: str, hf_dir: Optional[str], threads: 
         return Peer(name, [binary, "--model", gguf, *host, "--alias", served_name, "-np", str(slots), "-c",
                            str(slots * 2048), "-t", str(threads), "-tb", str(threads), "--no-webui"],
                     f"same GGUF, llama.cpp's C++ server, {slots} slots of 2,048 tokens (continuous batching)",
-                    vllm_extras=False)
+                    vllm_extras=True)  # it takes ignore_eos and stream_options.include_usage, as vLLM does
     if name in ("llama.cpp", "llama.cpp-serial"):
         missing = _has("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings", "fastapi", "uvicorn")
         if missing:
