@@ -143,6 +143,19 @@ def prefix_repetition_requests(num: int, prefix_len: int, suffix_len: int, num_p
     return out
 
 
+def sharegpt_file(dataset_name: str, dataset_path: Optional[str], default: Optional[str] = None,
+                  missing: str = "--dataset-name sharegpt needs --dataset-path FILE.json") -> Optional[str]:
+    """The ShareGPT file a run reads (None for another dataset): --dataset-path, else `default`. A path given
+    with another dataset, or sharegpt with neither, is a user's mistake: one line (`missing` for the latter)."""
+    if dataset_name != "sharegpt":
+        if dataset_path:
+            raise BenchError(f"--dataset-path is for sharegpt, not {dataset_name}")
+        return None
+    if not (dataset_path or default):
+        raise BenchError(missing)
+    return dataset_path or default
+
+
 def sharegpt_requests(path: str, num: int, seed: int, output_len: Optional[int], tokenizer=None,
                       max_model_len: Optional[int] = None) -> list[SampleRequest]:
     """vLLM's `sharegpt`: the first human turn as the prompt, the answer's length as the output length.

