@@ -6,13 +6,7 @@ import torch
 
 from kvlab.draft.eagle_train import EagleTrainConfig, draft_vocabulary, losses, make_batch, windows
 from kvlab.nn.eagle import EagleConfig, EagleHead
-
-
-def record(n: int, dim: int = 4, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"ids": torch.randint(0, 10, (n,), generator=g, dtype=torch.int32),
-            "hidden": torch.randn(n, dim, generator=g).half(),
-            "choice": torch.randint(0, 10, (n,), generator=g, dtype=torch.int32)}
+from draft_records import record
 
 
 def test_a_window_pairs_h_i_with_the_next_token_and_targets_the_targets_next_choices():

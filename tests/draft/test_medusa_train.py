@@ -4,13 +4,7 @@ import torch
 
 from kvlab.draft.medusa_train import evaluate, losses, make_batch
 from kvlab.nn.medusa import MedusaConfig, MedusaHead
-
-
-def record(n: int, dim: int = 4, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"ids": torch.randint(0, 10, (n,), generator=g, dtype=torch.int32),
-            "hidden": torch.randn(n, dim, generator=g).half(),
-            "choice": torch.randint(0, 10, (n,), generator=g, dtype=torch.int32)}
+from draft_records import record
 
 
 def test_head_j_at_position_i_targets_the_targets_choice_at_i_plus_j():

@@ -12,18 +12,15 @@ from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
 from kvlab.engine.eagle_proposer import record_features
 from kvlab.engine.sequence import Sequence
 from kvlab.errors import KvlabError
-from kvlab.nn.config import ModelConfig
 from kvlab.nn.eagle import EagleConfig, EagleHead, save_head
 from kvlab.nn.model import Decoder
-from engine_helpers import assert_pool_free, run_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_c_model import GQA, ggml_model  # noqa: E402
+from test_c_model import ggml_model  # noqa: E402
 
 from needs import require_kernels
+from spec_head_helpers import PROMPTS, TARGET, outputs
 
-TARGET = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 128, "n_layers": 3, "name": "target"})
-PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7]]
 
 
 def head_dir(tmp_path_factory, dim=TARGET.dim, vocab=TARGET.vocab_size) -> str:
@@ -38,17 +35,6 @@ def head_dir(tmp_path_factory, dim=TARGET.dim, vocab=TARGET.vocab_size) -> str:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     return head_dir(tmp_path_factory)
-
-
-def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, paged_step=True, temperature=0.0):
-    engine = LLMEngine(model, None, EngineConfig(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8,
-                                                 speculative_config=spec, paged_step=paged_step, max_num_batched_tokens=16))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i),
-                           request_id=f"r{i}")
-    got = run_all(engine)
-    assert_pool_free(engine)
-    return engine, got
 
 
 @pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])

@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
 from test_c_model import GQA, ggml_model  # noqa: E402
 
 from needs import require_kernels
+from spec_head_helpers import PROMPTS, TARGET, outputs
 
-TARGET = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 128, "n_layers": 3, "name": "target"})
-PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7]]
 
 
 def medusa_dir(directory: Path, config: ModelConfig = TARGET, heads: int = 3, seed: int = 4) -> str:
@@ -43,18 +42,6 @@ def medusa_dir(directory: Path, config: ModelConfig = TARGET, heads: int = 3, se
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     return medusa_dir(tmp_path_factory.mktemp("head") / "medusa")
-
-
-def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, paged_step=True, temperature=0.0, **config):
-    settings = dict(kv_cache_memory=2_000_000, block_size=4, max_num_seqs=8, speculative_config=spec, paged_step=paged_step,
-                    max_num_batched_tokens=16)
-    engine = LLMEngine(model, None, EngineConfig(**{**settings, **config}))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i),
-                           request_id=f"r{i}")
-    got = run_all(engine)
-    assert_pool_free(engine)  # rolled-back slots included
-    return engine, got
 
 
 @pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from fleet_helpers import replay, replica, requests
+from fleet_helpers import calibration_file, replay, replica, requests
 
 from kvlab.cli import main
 from kvlab.fleet.fleet import simulate
@@ -166,13 +166,8 @@ def test_blocks_with_a_draft_are_the_plans(model, draft, tp, capsys):
 
 def test_calibrated_pool_is_recut_for_both_caches(tmp_path, capsys):
     """A draft the target's own size: the calibrated pool's bytes hold half the blocks; the draft costs 1x."""
-    cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"fit": {"decode_base": 0.01, "decode_per_seq": 0.001, "decode_per_ctx": 1e-6,
-                                       "mixed_base": 0.02, "mixed_per_token": 2e-4, "mixed_per_pair": 1e-8},
-                               "engine": {"num_blocks": 1001, "block_size": 16, "max_num_seqs": 16,
-                                          "max_num_batched_tokens": 512, "max_model_len": 2048,
-                                          "kv_cache_dtype": "auto", "dtype": "fp32"}}))
-    argv = ["fleet", "smollm2-135m", "--calibration", str(cal), "--rate", "2", "--num-requests", "5",
+    cal = calibration_file(tmp_path)
+    argv = ["fleet", "smollm2-135m", "--calibration", cal, "--rate", "2", "--num-requests", "5",
             "--prompt-len", "64", "--output-len", "8", "--draft", "smollm2-135m", "--acceptance-rate", "0.5"]
     data = _json(argv, capsys)
     assert data["replica"]["num_blocks"] == 500

@@ -6,10 +6,15 @@ planner reads them with the standard library."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
 from kvlab.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fleet"))
+from fleet_helpers import calibration_file  # noqa: E402
 
 D, V, DRAFT_VOCAB = 576, 49152, 8192  # SmolLM2-135M's hidden size and vocabulary
 EAGLE_PARAMS = 7_743_168
@@ -93,14 +98,9 @@ def test_a_head_for_another_target_or_too_many_tokens_is_one_line(tmp_path, caps
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_fleet_with_a_head_keeps_the_targets_pool_and_prices_its_rounds(tmp_path, capsys, kind):
     common = ["smollm2-135m", "--kv-cache-memory", "1GiB"]
-    cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"fit": {"decode_base": 0.01, "decode_per_seq": 0.001, "decode_per_ctx": 1e-6,
-                                       "mixed_base": 0.02, "mixed_per_token": 2e-4, "mixed_per_pair": 1e-8},
-                               "engine": {"num_blocks": 1001, "block_size": 16, "max_num_seqs": 16,
-                                          "max_num_batched_tokens": 512, "max_model_len": 2048,
-                                          "kv_cache_dtype": "auto", "dtype": "fp32"}}))
+    cal = calibration_file(tmp_path)
     head = head_dir(tmp_path, kind)
-    fleet = ["fleet", "smollm2-135m", "--calibration", str(cal), "--rate", "2", "--num-requests", "5",
+    fleet = ["fleet", "smollm2-135m", "--calibration", cal, "--rate", "2", "--num-requests", "5",
              "--prompt-len", "64", "--output-len", "8", "--draft", head]
     data = run_json(capsys, *fleet)
     assert data["replica"]["num_blocks"] == 1001  # no K/V: the calibrated pool, uncut
