@@ -6,10 +6,13 @@ from pathlib import Path
 
 from kvlab.engine import EngineConfig, LLMEngine, SamplingParams
 from kvlab.nn.config import ModelConfig
+from kvlab.nn.model import Decoder
 from engine_helpers import assert_pool_free, run_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_c_model import GQA  # noqa: E402
+from test_c_model import GQA, ggml_model  # noqa: E402
+
+from needs import require_kernels  # noqa: E402
 
 TARGET = ModelConfig(**{**GQA.to_dict(), "max_seq_len": 128, "n_layers": 3, "name": "target"})
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7]]
@@ -27,3 +30,15 @@ def outputs(model, spec=None, prompts=PROMPTS, max_tokens=20, paged_step=True, t
     got = run_all(engine)
     assert_pool_free(engine)
     return engine, got
+
+
+def greedy_with_and_without(spec: dict, batch: int, paged_step: bool):
+    """(engine with `spec`, its greedy outputs, the outputs without speculation) for the first `batch`
+    prompts, on the C step (GGUF blocks) or module by module, the engine checked to have run that path."""
+    if paged_step:
+        require_kernels()
+    model = ggml_model(TARGET) if paged_step else Decoder(TARGET).eval()
+    _, want = outputs(model, None, PROMPTS[:batch], paged_step=paged_step)
+    engine, got = outputs(model, spec, PROMPTS[:batch], paged_step=paged_step)
+    assert engine.decode_path == ("fused C step" if paged_step else "module by module")
+    return engine, got, want

@@ -2,8 +2,6 @@
 C step and module by module, at batch 1 and in a mixed batch; sampled runs are seed-reproducible;
 the pool ends empty; a head trained for another target is refused in one line."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +13,8 @@ from kvlab.errors import KvlabError
 from kvlab.nn.eagle import EagleConfig, EagleHead, save_head
 from kvlab.nn.model import Decoder
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_c_model import ggml_model  # noqa: E402
-
 from needs import require_kernels
-from spec_head_helpers import PROMPTS, TARGET, outputs
+from spec_head_helpers import PROMPTS, TARGET, greedy_with_and_without, outputs
 
 
 
@@ -40,13 +35,8 @@ def head(tmp_path_factory):
 @pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_speculation_with_a_head_is_the_output_without(head, paged_step, batch):
-    if paged_step:
-        require_kernels()
-    model = ggml_model(TARGET) if paged_step else Decoder(TARGET).eval()
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
-    _, want = outputs(model, None, PROMPTS[:batch], paged_step=paged_step)
-    engine, got = outputs(model, spec, PROMPTS[:batch], paged_step=paged_step)
-    assert engine.decode_path == ("fused C step" if paged_step else "module by module")
+    engine, got, want = greedy_with_and_without(spec, batch, paged_step)
     assert got == want
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
 from test_c_model import GQA, ggml_model  # noqa: E402
 
 from needs import require_kernels
-from spec_head_helpers import PROMPTS, TARGET, outputs
+from spec_head_helpers import PROMPTS, TARGET, greedy_with_and_without, outputs
 
 
 
@@ -47,13 +47,8 @@ def head(tmp_path_factory):
 @pytest.mark.parametrize("paged_step", [True, False], ids=["c-step", "modules"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_speculation_with_medusa_heads_is_the_output_without(head, paged_step, batch):
-    if paged_step:
-        require_kernels()
-    model = ggml_model(TARGET) if paged_step else Decoder(TARGET).eval()
     spec = {"method": "medusa", "model": head, "num_speculative_tokens": 3}
-    _, want = outputs(model, None, PROMPTS[:batch], paged_step=paged_step)
-    engine, got = outputs(model, spec, PROMPTS[:batch], paged_step=paged_step)
-    assert engine.decode_path == ("fused C step" if paged_step else "module by module")
+    engine, got, want = greedy_with_and_without(spec, batch, paged_step)
     assert got == want
     stats = engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts  # several drafts a round
