@@ -46,6 +46,20 @@ def test_a_position_only_reads_its_window():
     assert not torch.allclose(f1[0, :3], f2[0, :3])
 
 
+@pytest.mark.parametrize("length", [1, 3, 6])
+def test_the_last_position_alone_equals_the_full_pass_last_row(length):
+    """A draft round reads only the last position (last_only): the same figures as the full pass's last row,
+    also when the rows outnumber the window."""
+    h = head().eval()
+    e, x = torch.randn(2, length, 16), torch.randn(2, length, 16)
+    with torch.no_grad():
+        f, logits = h(e, x)
+        f1, l1 = h(e, x, last_only=True)
+    assert f1.shape == (2, 1, 16) and l1.shape == (2, 1, 8)
+    torch.testing.assert_close(f1, f[:, -1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(l1, logits[:, -1:], rtol=1e-6, atol=1e-6)
+
+
 def test_save_load_round_trip_and_other_targets_are_refused(tmp_path):
     h = head()
     save_head(h, str(tmp_path / "head"), {"trained_tokens": 10})

@@ -38,7 +38,8 @@ def default_head_dir() -> str:
 
 @torch.inference_mode()
 def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterations: int = 20) -> float:
-    """Milliseconds for one draft round: the head over a full window and one token's embedding."""
+    """Milliseconds for one draft round as the proposer runs it: the head over a full window (the last
+    row's output alone) and one token's embedding."""
     from kvlab.bench.spec_costs import timed
     from kvlab.engine import EngineConfig, LLMEngine
     from kvlab.nn.c_model import embed_rows
@@ -49,7 +50,7 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
     emb, hid = torch.randn(1, w, dim), torch.randn(1, w, dim)
 
     def one():
-        eagle.head(emb, hid)
+        eagle.head(emb, hid, last_only=True)
         embed_rows(model, torch.tensor([7]))
     one()
     return 1e3 * statistics.median(timed(one, iterations) for _ in range(repetitions))

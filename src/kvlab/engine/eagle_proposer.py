@@ -84,7 +84,7 @@ class EagleProposer:
             embedded, hidden = start
             dists = []
             for _ in range(budget):
-                features, logits = self.head(embedded[None], hidden[None])
+                features, logits = self.head(embedded[None], hidden[None], last_only=True)
                 row = logits[0, -1]
                 if seq.params.greedy:
                     token, dist = int(self.head.d2t[row.argmax()]), None

@@ -82,14 +82,25 @@ class EagleHead(ReducedVocab):
         self.lm_head = nn.Linear(c.dim, c.draft_vocab, bias=False)
         self._register_map(c.draft_vocab, d2t)
 
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """embedded, hidden [B, T, dim] (x_{i+1}'s embedding and h_i) -> (features [B, T, dim] standing
-        for h_{i+1}, logits [B, T, draft_vocab] for x_{i+2})."""
+        for h_{i+1}, logits [B, T, draft_vocab] for x_{i+2}).
+
+        `last_only`: the last position's alone ([B, 1, ...]), what a draft round reads. The other rows
+        enter only as the keys and values its band reads, so their output projection, MLP and LM head
+        (three quarters of a round's work at window 4) are skipped; the figures equal the full pass's
+        last row."""
         c = self.config
         x = self.fc(torch.cat([embedded, hidden], dim=-1))
         b, t, _ = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, c.n_heads, c.head_dim).permute(2, 0, 3, 1, 4)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, c.window))
+        if last_only:
+            x, q, k, v = x[:, -1:], q[:, :, -1:], k[:, :, -c.window:], v[:, :, -c.window:]
+            attended = F.scaled_dot_product_attention(q, k, v)
+            t = 1
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, c.window))
         x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)
