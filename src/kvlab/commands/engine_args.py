@@ -6,7 +6,7 @@ import argparse
 
 from kvlab.cache.pool import DEFAULT_BLOCK_SIZE
 from kvlab.commands.args import add_model_flags, byte_size, non_negative_int, positive_float, positive_int
-from kvlab.engine.engine import DEFAULT_MEMORY_FRACTION
+from kvlab.engine.config import DEFAULT_MEMORY_FRACTION
 from kvlab.nn.matmul_backend import BACKENDS, set_backend
 from kvlab.plan.kv_formats import POOL_KV_CACHE_DTYPES
 

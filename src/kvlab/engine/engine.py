@@ -15,100 +15,20 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from kvlab.cache.base import model_dtype_name
-from kvlab.cache.pool import DEFAULT_BLOCK_SIZE, KVPool
-from kvlab.engine.block_manager import BlockManager
+from kvlab.engine.build import build
+from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import Detokenizer
 from kvlab.engine.errors import RequestError
 from kvlab.engine.logits_process import LogitsProcessor
-from kvlab.engine.memory_budget import utilization_budget
 from kvlab.engine.outputs import StepDelta
 from kvlab.engine.parallel_sampling import HeldSiblings, add_samples
-from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingParams
-from kvlab.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from kvlab.engine.scheduler import ScheduledStep
 from kvlab.engine.sequence import Sequence as Seq
-from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.nn.matmul_backend import NEVER, backend, crossover, library_dtype
 from kvlab.nn.threads import ThreadGovernor, step_kind
-from kvlab.plan.capacity import cache_formats
-from kvlab.plan.speculative import shared_pool_blocks
-from kvlab.plan.units import parse_bytes
-from kvlab.plan.kv_formats import KVQUANT
-from kvlab.plan.pool_capacity import DEFAULT_MAX_NUM_SEQS, engine_capacity, uses_seats
 
 log = logging.getLogger("kvlab.engine")
-DEFAULT_MEMORY_FRACTION = 0.1  # of the machine's available memory, when no --kv-cache-memory is given
-
-
-@dataclass
-class EngineConfig:
-    """vLLM's knobs (plus the seeds' max_wait_ms); see `kvlab serve --help`."""
-
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory: Optional[Union[int, str]] = None  # bytes or "2GiB"; None: a share of available memory
-    kv_cache_memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None  # None: the model's own context length
-    max_wait_ms: float = 0.0
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    paged_step: bool = True  # run steps in kvlab's C paged step where the model and pool allow
-    speculative_config: object = None  # vLLM's speculative_config: a dict, its JSON text, or SpeculativeConfig
-    kv_window: Optional[int] = None  # StreamingLLM's sinks + window policy: blocks out of the window are handed back
-    sink_tokens: int = 0
-    # vLLM's flags with their CPU meaning (kvlab.engine.memory_budget): the fraction of host memory kvlab may
-    # use (weights included; the pool gets the rest), and one process (tensor / pipeline parallel 1)
-    gpu_memory_utilization: Optional[float] = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # kvquant3/kvquant4's codebooks and key ranges (`kvlab calibrate-kv`), as `kvlab eval --kv-calibration`
-    kv_calibration: Optional[str] = None
-    # keys cached before RoPE and rotated once read (`kvlab eval --pre-rope-keys`; KVQuant's always are)
-    pre_rope_keys: bool = False
-
-    def __post_init__(self) -> None:
-        # LLM("smollm2-135m", kv_cache_memory="2GiB") reads as the CLI flag does; a bad size is
-        # a one-line PlanError (a KvlabError), never a TypeError deep in the pool's sizing.
-        if isinstance(self.kv_cache_memory, str):
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if (self.kv_window is not None and self.kv_window <= 0) or self.sink_tokens < 0:
-            raise RequestError(f"--kv-window must be positive and --sink-tokens non-negative, got "
-                               f"{self.kv_window} and {self.sink_tokens}", "kv_window")
-        if self.sink_tokens and self.kv_window is None:
-            raise RequestError("--sink-tokens needs --kv-window", "sink_tokens")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise RequestError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-                               "gpu_memory_utilization")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise RequestError(f"--{name.replace('_', '-')} {getattr(self, name)}: kvlab runs the model in one "
-                                   "CPU process, so only 1 is supported", name)
-
-
-def shared_capacity(target, draft, budget: int, max_model_len: int, formats, block_size: int) -> dict:
-    """The pool's blocks and start-up lines when each block holds the target's and the draft's K/V."""
-    blocks, target_block, draft_block = shared_pool_blocks(target, draft, budget, formats, block_size)
-    tokens = blocks * block_size
-    return {"num_gpu_blocks": blocks, "block_bytes_all_layers": target_block + draft_block,
-            "log_lines": [f"Available KV cache memory: {budget / 2**30:.2f} GiB",
-                          f"CPU KV cache size: {tokens:,} tokens (each block holds the target's and the draft's K/V)",
-                          f"Maximum concurrency for {max_model_len:,} tokens per request: {tokens / max_model_len:.2f}x"]}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the machine can give without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 @dataclass
@@ -128,99 +48,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.clock = clock
         mc = model.config
-        self.max_model_len = min(config.max_model_len or mc.max_seq_len, mc.max_seq_len)
-        if config.max_model_len and config.max_model_len > mc.max_seq_len:
-            raise RequestError(f"--max-model-len {config.max_model_len} exceeds the model's {mc.max_seq_len} tokens")
-        if config.kv_cache_memory:
-            budget = config.kv_cache_memory
-        elif config.gpu_memory_utilization is not None:  # vLLM's CPU reading of the flag (kvlab.engine.memory_budget)
-            budget = utilization_budget(config.gpu_memory_utilization, available_memory_bytes())
-        else:
-            budget = int(config.kv_cache_memory_fraction * available_memory_bytes())
-        formats = cache_formats(config.kv_cache_dtype, model_dtype=model_dtype_name(model.dtype))
-        self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        draft = None
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            from kvlab.engine.llm import load_for_engine
-            import os
-            draft, draft_tokenizer = load_for_engine(os.path.expanduser(self.speculative.model), "dense")
-            if draft.config.vocab_size != mc.vocab_size:
-                raise RequestError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
-                                   f"({mc.vocab_size}): it must share the tokenizer", "speculative_config")
-        head = None
-        if self.speculative is not None and self.speculative.method in ("eagle", "medusa"):
-            import os
-            from kvlab.nn.draft_head import load_draft_head
-            head = load_draft_head(os.path.expanduser(self.speculative.model), mc,  # another target's: one line
-                                   f"kvlab-{self.speculative.method}-head")
-            heads = getattr(head.config, "num_heads", None) if self.speculative.method == "medusa" else None
-            if heads is not None and self.speculative.num_speculative_tokens > heads:
-                raise RequestError(f"num_speculative_tokens={self.speculative.num_speculative_tokens} but the Medusa "
-                                   f"head set at {self.speculative.model} has {heads} heads", "speculative_config")
-        # vLLM's CPU backend's arithmetic and lines (this engine's pool lives in host memory), at our block size;
-        # with a draft model every block holds both models' K/V (kvlab.plan.speculative, as `kvlab plan --draft`)
-        windowed = config.kv_window is not None
-        if windowed and self.speculative is not None:
-            raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
-        # KIVI and KVQuant keep state per seat (kvlab.cache.kivi_pool, kvquant_pool): a KIVI residual, KVQuant's sinks
-        # and key outliers
-        seated = uses_seats(formats)
-        if config.pre_rope_keys and windowed:
-            raise RequestError("--pre-rope-keys rotates every cached key at its position; --kv-window drops "
-                               "positions", "pre_rope_keys")
-        if seated and (self.speculative is not None or windowed):
-            raise RequestError(f"{formats.k.name} pools keep per-sequence state in seats; speculative decoding and "
-                               "--kv-window are not supported with them", "kv_cache_dtype")
-        seats = config.max_num_seqs if seated else 0
-        calibration = self._calibration(formats, mc)
-        if draft is None:
-            spec = mc.to_plan_spec().with_kv_window(config.kv_window, config.sink_tokens) if windowed \
-                else mc.to_plan_spec()
-            self.capacity = engine_capacity(spec, budget, self.max_model_len, formats, config.block_size, seats,
-                                            config.max_num_batched_tokens)
-        else:
-            self.capacity = shared_capacity(mc.to_plan_spec(), draft.config.to_plan_spec(), budget,
-                                            self.max_model_len, formats, config.block_size)
-        if head is not None:  # no K/V of its own: each running sequence keeps `window` hidden states
-            window = getattr(head.config, "window", 1)
-            kind = "EAGLE head" if self.speculative.method == "eagle" else f"Medusa heads ({head.config.num_heads})"
-            self.capacity["log_lines"].append(
-                f"{kind}: no KV cache; {window} hidden states ({window * mc.dim * 4:,} B) "
-                f"per running sequence, {head.config.param_count() / 1e6:.1f}M parameters, "
-                f"draft vocabulary {head.config.draft_vocab:,}")
-        num_blocks = self.capacity["num_gpu_blocks"]
-        if num_blocks < 1:
-            raise RequestError(f"a KV cache budget of {budget:,} B holds no {config.block_size}-token block "
-                               f"({self.capacity['block_bytes_all_layers']:,} B); raise --kv-cache-memory")
-        if draft is not None and any(layer is not None for layer in mc.sliding_windows):
-            raise RequestError("a draft model shares the pool's blocks with a target of one KV group; "
-                               f"{mc.name} has sliding layers", "speculative_config")
-        self.pool = KVPool.for_model(mc, num_blocks, config.block_size, config.kv_cache_dtype, model.dtype,
-                                     kv_window=config.kv_window, sink_tokens=config.sink_tokens, seats=seats,
-                                     calibration=calibration, max_tokens=self.max_model_len,
-                                     pre_rope=config.pre_rope_keys)
-        draft_pool = KVPool.for_model(draft.config, num_blocks, config.block_size, config.kv_cache_dtype) \
-            if draft is not None else None
-        # a KIVI pool's blocks hold what was quantised when they were written, which depends on the
-        # sequence's length then: a prefix computed in another sequence is not the same bytes; a KVQuant
-        # prefix's sinks and key outliers sit in the seat of the sequence that computed it
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching and not seated,
-                                   self.pool.groups, seats)
-        lookahead = self.speculative.num_speculative_tokens if self.speculative else 0
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
-        paged_step = draft_step = None
-        if config.paged_step and not self.pool.pre_rope:  # the C step reads keys rotated when written
-            from kvlab.nn.paged_decode import paged_step_for
-            paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
-            if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:
-                from kvlab.nn.pack import pack_q8_0  # a trained draft is dense: Q8_0 lets the C step run it
-                packed = pack_q8_0(draft)
-                draft_step = paged_step_for(packed, draft_pool, config.max_num_seqs)
-                draft = packed if draft_step is not None else draft
-        self.runner = ModelRunner(model, self.pool, config.seed, paged_step, self.speculative, draft, draft_pool,
-                                  self.max_model_len, draft_step, head)
-        self.decode_path = "fused C step" if paged_step is not None else "module by module"
+        parts = build(model, config)  # kvlab.engine.build: budget, refusals, pool, scheduler, step
+        self.max_model_len, self.speculative, self.capacity = parts.max_model_len, parts.speculative, parts.capacity
+        self.pool, self.blocks, self.scheduler = parts.pool, parts.blocks, parts.scheduler
+        self.runner, self.decode_path = parts.runner, parts.decode_path
         self.threads = ThreadGovernor()  # all threads on a quiet machine, one when the cores are shared
         self.requests: dict[str, tuple[Seq, Detokenizer]] = {}
         self._ids = itertools.count()
@@ -236,16 +67,6 @@ class LLMEngine:
         for line in self.capacity["log_lines"]:
             log.info(line)
         log.info(self.products_line)
-
-    def _calibration(self, formats, config):
-        """KVQuant's calibration for this model (None for other formats); a missing or mismatched file is one line."""
-        if formats.k.scheme != KVQUANT:
-            return None
-        if not self.config.kv_calibration:
-            raise RequestError(f"{formats.k.name} needs a KVQuant calibration: give --kv-calibration FILE "
-                               "(`kvlab calibrate-kv MODEL --data FILE` writes one beside the model)", "kv_calibration")
-        from kvlab.cache.kvquant_calibration import load_calibration
-        return load_calibration(self.config.kv_calibration, config)
 
     @property
     def products_line(self) -> str:
