@@ -132,3 +132,54 @@ def test_disable_by_batch_size_drafts_only_in_smaller_batches(head):
     assert together <= alone.spec_stats.num_drafts + 20
     busy, _ = outputs(model, {**spec, "disable_by_batch_size": 1}, PROMPTS[:1], paged_step=False)
     assert busy.spec_stats.num_drafts == 0
+
+
+def full_pass_drafts(head, model, seq, k):
+    """The drafts of the head's full pass over the window, recomputed from scratch each round: the reference."""
+    from kvlab.nn.c_model import embed_rows
+    first, rows = seq.draft_features
+    last = seq.num_tokens - 2
+    hidden = rows[:last - first + 1][-head.config.window:]
+    begin = last + 1 - len(hidden)
+    embedded = embed_rows(model, torch.tensor(seq.all_ids[begin + 1:last + 2]))
+    drafts = []
+    for _ in range(k):
+        features, logits = head(embedded[None], hidden[None])
+        drafts.append(int(head.d2t[logits[0, -1].argmax()]))
+        embedded = torch.cat((embedded, embed_rows(model, torch.tensor(drafts[-1:]))))[-head.config.window:]
+        hidden = torch.cat((hidden, features[0, -1:]))[-head.config.window:]
+    return drafts
+
+
+@torch.inference_mode()
+def test_a_round_computes_only_new_positions_and_drafts_as_the_full_pass():
+    """The proposer keeps each position's inputs (EagleHead.inputs) between rounds and computes only positions
+    recorded since; its drafts are the full pass's, also after a recompute changes a kept hidden state."""
+    from kvlab.engine.eagle_proposer import EagleProposer
+    torch.manual_seed(1)
+    model = Decoder(TARGET).eval()
+    config = EagleConfig(target="target", dim=TARGET.dim, target_vocab=TARGET.vocab_size,
+                         draft_vocab=TARGET.vocab_size // 2, n_heads=2, head_dim=16, ffn=48, window=3)
+    head = EagleHead(config, torch.randperm(TARGET.vocab_size)[:TARGET.vocab_size // 2]).eval()
+    proposer = EagleProposer(head, model)
+    proposer.head = head  # unpacked: the reference runs the same arithmetic
+    computed = []
+    inputs = head.inputs
+    head.inputs = lambda e, h: computed.append(e.shape[1]) or inputs(e, h)
+    seq = Sequence("r", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=20), 0.0)
+    record_features(seq, 0, torch.randn(7, TARGET.dim), window=3)  # positions 0..6: the prompt's but its last
+    generator = torch.Generator().manual_seed(0)
+
+    def drafts():
+        computed.clear()
+        got, _ = proposer.propose([seq], [3], generator)
+        rows = list(computed)
+        assert got[0] == full_pass_drafts(head, model, seq, 3)
+        return rows
+
+    assert drafts() == [3, 1, 1]  # the window's three positions, then one per later round
+    seq.output_ids += [7, 8]  # two tokens accepted: positions 7 and 8 recorded
+    record_features(seq, 7, torch.randn(2, TARGET.dim), window=3)
+    assert drafts() == [2, 1, 1]  # position 6 kept, 7 and 8 new
+    seq.draft_features[1][0] += 1  # a recompute changed position 6's hidden state: nothing kept from there on
+    assert drafts() == [3, 1, 1]

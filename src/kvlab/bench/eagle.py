@@ -38,8 +38,8 @@ def default_head_dir() -> str:
 
 @torch.inference_mode()
 def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterations: int = 20) -> float:
-    """Milliseconds for one draft round as the proposer runs it: the head over a full window (the last
-    row's output alone) and one token's embedding."""
+    """Milliseconds for one draft round as the proposer runs it once its window is kept: one new position's
+    inputs (its token's embedding included) and that position over a full window's keys and values."""
     from kvlab.bench.spec_costs import timed
     from kvlab.engine import EngineConfig, LLMEngine
     from kvlab.nn.c_model import embed_rows
@@ -47,11 +47,12 @@ def head_round_ms(model, tokenizer, head_path: str, repetitions: int = 7, iterat
                                                       speculative_config={"method": "eagle", "model": head_path}))
     eagle = engine.runner.head_proposer
     w, dim = eagle.window, model.config.dim
-    emb, hid = torch.randn(1, w, dim), torch.randn(1, w, dim)
+    _, _, keys, values = eagle.head.inputs(torch.randn(1, w, dim), torch.randn(1, w, dim))
+    hidden = torch.randn(1, 1, dim)
 
     def one():
-        eagle.head(emb, hid, last_only=True)
-        embed_rows(model, torch.tensor([7]))
+        x, q, _, _ = eagle.head.inputs(embed_rows(model, torch.tensor([7]))[None], hidden)
+        eagle.head.last(x, q, keys, values)
     one()
     return 1e3 * statistics.median(timed(one, iterations) for _ in range(repetitions))
 

@@ -6,8 +6,9 @@ those of the positions whose K/V stay valid (a verification's last token and acc
 a prompt chunk's every row), keeping the last `window` (Sequence.draft_features). A draft round
 runs the head over that window: inputs (embedding of x_{i+1}, h_i) for the recorded positions
 i, then (embedding of the drafted token, the head's own feature) for each earlier round, the
-band of `window` rows the head's attention sees. No K/V of its own, so nothing in the pool:
-the cost is recomputing at most `window` rows of one small layer per drafted token.
+band of `window` rows the head's attention sees. No K/V of its own, so nothing in the pool: a
+round computes one position's layer (EagleHead.last) over the keys and values of the band, and
+each position's own inputs (EagleHead.inputs) once, kept per sequence between rounds.
 
 Sampled requests draw from the head's distribution over its draft vocabulary scattered into the
 target's (zero outside it), with the request's temperature and filters; that is the q the
@@ -61,8 +62,9 @@ class EagleProposer:
         self.head, self.target = packed_head(head.eval()), target
         self.window = head.config.window
 
-    def context(self, seq: Sequence) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(embeddings of x_{i+1}, h_i) for the recorded positions i up to the last computed one, or None."""
+    def context(self, seq: Sequence) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first position, ids of x_{i+1} [n], h_i [n, dim]) for the recorded positions i up to the last
+        computed one, or None."""
         held = seq.draft_features
         last = seq.num_tokens - 2  # the position before the last token: its h and the last token start the chain
         if held is None or last < held[0] or last >= held[0] + len(held[1]):
@@ -70,8 +72,29 @@ class EagleProposer:
         first, rows = held
         hidden = rows[:last - first + 1][-self.window:]
         begin = last + 1 - len(hidden)
-        ids = torch.tensor(seq.all_ids[begin + 1:last + 2])
-        return embed_rows(self.target, ids), hidden
+        return begin, torch.tensor(seq.all_ids[begin + 1:last + 2]), hidden
+
+    def inputs(self, seq: Sequence, begin: int, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The head's per-position inputs (EagleHead.inputs) for positions begin.., reusing those this
+        sequence's previous round computed for the same positions with the same token and hidden state (a
+        rollback or a recompute changes them, and then they are computed again): a round computes only the
+        positions recorded since, about one row where the window holds four."""
+        reuse, kept = 0, seq.draft_inputs
+        if kept is not None and 0 <= begin - kept[0] < len(kept[1]):
+            off = begin - kept[0]
+            m = min(len(kept[1]) - off, len(ids))
+            if torch.equal(kept[1][off:off + m], ids[:m]) and torch.equal(kept[2][off:off + m], hidden[:m]):
+                reuse = m
+        parts = []
+        if reuse:
+            x, q, k, v = kept[3:]
+            parts.append((x[:, off:off + reuse], q[:, :, off:off + reuse], k[:, :, off:off + reuse],
+                          v[:, :, off:off + reuse]))
+        if reuse < len(ids):
+            parts.append(self.head.inputs(embed_rows(self.target, ids[reuse:])[None], hidden[None, reuse:]))
+        x, q, k, v = (torch.cat(t, dim=d) for t, d in zip(zip(*parts), (1, 2, 2, 2)))
+        seq.draft_inputs = (begin, ids, hidden.clone(), x, q, k, v)  # a copy: what these inputs were computed from
+        return x, q, k, v
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], budgets: list[int], generator: torch.Generator):
@@ -81,10 +104,10 @@ class EagleProposer:
             start = self.context(seq) if budget else None
             if start is None:
                 continue
-            embedded, hidden = start
+            x, query, keys, values = self.inputs(seq, *start)
             dists = []
-            for _ in range(budget):
-                features, logits = self.head(embedded[None], hidden[None], last_only=True)
+            for round_ in range(budget):
+                features, logits = self.head.last(x[:, -1:], query[:, :, -1:], keys, values)
                 row = logits[0, -1]
                 if seq.params.greedy:
                     token, dist = int(self.head.d2t[row.argmax()]), None
@@ -93,7 +116,9 @@ class EagleProposer:
                     token = int(torch.multinomial(dist, 1, generator=seq.generator or generator))
                 drafts[i].append(token)
                 dists.append(dist)
-                embedded = torch.cat((embedded, embed_rows(self.target, torch.tensor([token]))))[-self.window:]
-                hidden = torch.cat((hidden, features[0, -1:]))[-self.window:]
+                if round_ + 1 < budget:  # the drafted token and the head's own feature: the next round's position
+                    x, query, k, v = self.head.inputs(embed_rows(self.target, torch.tensor([token]))[None], features)
+                    keys = torch.cat((keys, k), dim=2)[:, :, -self.window:]
+                    values = torch.cat((values, v), dim=2)[:, :, -self.window:]
             q[i] = torch.stack(dists) if dists and dists[0] is not None else None
         return drafts, q

@@ -42,6 +42,7 @@ class Sequence:
     num_computed: int = 0
     draft_computed: int = 0  # tokens whose K/V a separate draft model holds (speculative decoding)
     draft_features: Optional[tuple] = None  # (first position, [n, dim]): an EAGLE head's window of target hidden states
+    draft_inputs: Optional[tuple] = None  # the EAGLE head's per-position inputs for that window (EagleProposer.inputs)
     num_cached_prompt: int = 0  # prompt tokens whose blocks came from the prefix cache (last admission)
     preemptions: int = 0
     first_scheduled: Optional[float] = None

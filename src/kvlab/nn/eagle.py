@@ -91,16 +91,31 @@ class EagleHead(ReducedVocab):
         enter only as the keys and values its band reads, so their output projection, MLP and LM head
         (three quarters of a round's work at window 4) are skipped; the figures equal the full pass's
         last row."""
+        x, q, k, v = self.inputs(embedded, hidden)
+        if last_only:
+            return self.last(x[:, -1:], q[:, :, -1:], k, v)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(x.shape[1], self.config.window))
+        return self._after_attention(x, attended)
+
+    def inputs(self, embedded: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each position's own part of a pass, which no other position changes: the fused input x [B, T, dim]
+        and its query, key and value [B, heads, T, head_dim]. A proposer keeps them for positions it has
+        seen (kvlab.engine.eagle_proposer) and computes only the new ones."""
         c = self.config
         x = self.fc(torch.cat([embedded, hidden], dim=-1))
         b, t, _ = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, c.n_heads, c.head_dim).permute(2, 0, 3, 1, 4)
-        if last_only:
-            x, q, k, v = x[:, -1:], q[:, :, -1:], k[:, :, -c.window:], v[:, :, -c.window:]
-            attended = F.scaled_dot_product_attention(q, k, v)
-            t = 1
-        else:
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, c.window))
+        return x, q, k, v
+
+    def last(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position (x [B, 1, dim], q [B, heads, 1, head_dim]) over the keys and values of the positions
+        up to it (the last `window` of k, v [B, heads, T, head_dim] are read): (feature, logits) [B, 1, ...]."""
+        w = self.config.window
+        return self._after_attention(x, F.scaled_dot_product_attention(q, k[:, :, -w:], v[:, :, -w:]))
+
+    def _after_attention(self, x: torch.Tensor, attended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
         x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         x = x + self.down(F.silu(gate) * up)
