@@ -153,6 +153,11 @@ SMALLEST: dict[str, list[str]] = {
          "--json", "shared.json"],
     "kvlab bench crossover smollm2-135m --json reports/shared_cpu/crossover.json":
         ["kvlab", "bench", "crossover", "smollm2-135m", "--json", "crossover.json"],
+    "kvlab bench crossover smollm2-135m --json reports/serving/crossover.json":
+        ["kvlab", "bench", "crossover", "smollm2-135m", "--json", "crossover.json"],
+    "kvlab bench hybrid-step smollm2-135m --json reports/serving/hybrid_step.json":
+        ["kvlab", "bench", "hybrid-step", "smollm2-135m", "--rows", "1,2", "--context", "16", "--repetitions", "1",
+         "--iterations", "1", "--json", "hybrid_step.json"],
     "kvlab bench decode smollm2-135m":
         ["kvlab", "bench", "decode", "smollm2-135m", "--batch-sizes", "1", "--contexts", "16", "--new-tokens", "2",
          "--no-transformers", "--no-llama-cpp", "--rounds", "1", "--repeats", "1", "--bandwidth-gbs", "10"],

@@ -67,7 +67,8 @@ def test_greedy_speculation_on_the_c_step_is_the_output_without(target, draft_di
 
 def test_prompts_past_the_crossover_run_on_the_library_and_decode_the_same(target, monkeypatch):
     """Prompt steps whose rows pass the crossover run module by module with library products (the
-    exact dense weights); decode steps stay in C. The tokens are the all-C run's."""
+    exact dense weights); decode steps of one row stay in the fused C step, of more take the hybrid
+    step (tests/engine/test_engine_hybrid_step.py). The tokens are the all-C run's."""
     _, want = outputs(target)
     monkeypatch.setenv("KVLAB_MATMUL_BACKEND", "library")
     engine, got = outputs(target)

@@ -40,12 +40,14 @@ def _engine(model, tokenizer, spec: Optional[dict]):
 
 @torch.inference_mode()
 def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: int = 256, max_rows: int = MAX_ROWS,
-                       repetitions: int = 7, iterations: int = 8) -> dict:
+                       repetitions: int = 7, iterations: int = 8, verifier: str = "fused") -> dict:
     """Milliseconds per step and the ratios above; `proposers` maps a method's name to its speculative_config
     (draft_model or self; n-gram lookup drafts without a model and costs no step). Empty where the target
-    has no C paged step (the ratios would describe the module-by-module path, which the engine avoids)."""
+    has no C paged step (the ratios would describe the module-by-module path, which the engine avoids).
+    `verifier` "hybrid" times the target's steps (every row count, the one-token step too) on the hybrid
+    step (kvlab.nn.hybrid_step: library products, C attention), which the engine takes past the crossover."""
     target = _engine(model, tokenizer, None)
-    step = target.runner.paged_step
+    step = target.runner.paged_step if verifier == "fused" else target.runner.hybrid_step
     if step is None:
         return {}
     block_size = target.pool.block_size
@@ -72,7 +74,8 @@ def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: in
             samples[key].append(timed(call, iterations))
     ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
     plain = ms["verify:1"]
-    return {"context": context, "repetitions": repetitions, "iterations": iterations, "plain_step_ms": plain,
+    return {"context": context, "repetitions": repetitions, "iterations": iterations, "verifier": verifier,
+            "plain_step_ms": plain,
             "step_ms": ms,
             "verify_cost": {str(n): ms[f"verify:{n}"] / plain for n in range(1, max_rows + 1)},  # JSON's keys
             "draft_cost": {key.split(":", 1)[1]: value / plain for key, value in ms.items() if key.startswith("draft:")}}

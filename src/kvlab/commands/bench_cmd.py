@@ -31,8 +31,8 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
                       help="skip llama.cpp's batched decode on the same GGUF (run when llama-cpp-python is installed)")
     tp.add_argument("--json", metavar="PATH", help="write the result with provenance here")
     tp.set_defaults(run=run_throughput)
-    from kvlab.commands import (bench_compare_cmd, bench_crossover_cmd, bench_decode_cmd, bench_lab_cmd,
-                                bench_mla_cmd, bench_paged_cmd, bench_real_models_cmd, bench_serve_cmd,
+    from kvlab.commands import (bench_compare_cmd, bench_crossover_cmd, bench_decode_cmd, bench_hybrid_cmd,
+                                bench_lab_cmd, bench_mla_cmd, bench_paged_cmd, bench_real_models_cmd, bench_serve_cmd,
                                 bench_serving_cmd, bench_shared_cpu_cmd, bench_speculative_cmd)
     bench_serve_cmd.add_parser(benches)
     bench_compare_cmd.add_parser(benches)
@@ -41,6 +41,7 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
     bench_mla_cmd.add_parser(benches)
     bench_shared_cpu_cmd.add_parser(benches)
     bench_crossover_cmd.add_parser(benches)
+    bench_hybrid_cmd.add_parser(benches)
     bench_serving_cmd.add_parsers(benches)
     bench_speculative_cmd.add_parsers(benches)
     bench_real_models_cmd.add_parsers(benches)

@@ -67,6 +67,8 @@ class LLMEngine:
         for line in self.capacity["log_lines"]:
             log.info(line)
         log.info(self.products_line)
+        if self.runner.hybrid_from() is not None:  # the library copies now, not inside the first large step
+            self.runner.hybrid_step.warm()
 
     @property
     def products_line(self) -> str:
@@ -76,11 +78,23 @@ class LLMEngine:
             return "products: torch on the model's own weights (no GGUF blocks)"
         setting = backend()
         if setting != "auto":
-            return f"products: --matmul-backend {setting}"
+            return f"products: --matmul-backend {setting}" + self._hybrid_note
         rows = crossover(probe)  # measured here the first time on this machine, then remembered
         where = "never" if rows >= NEVER else f"from {rows} rows"
         return (f"products: C kernels on the GGUF blocks; the library ({str(library_dtype())[6:]} copy) {where} "
-                f"(crossover measured on this machine for {probe.out_features}x{probe.in_features})")
+                f"(crossover measured on this machine for {probe.out_features}x{probe.in_features})"
+                + self._hybrid_note)
+
+    @property
+    def _hybrid_note(self) -> str:
+        """Where decode and verification steps take the hybrid step (library products, C attention)."""
+        if self.runner.hybrid_step is None:
+            return ""
+        rows = self.runner.hybrid_from()
+        if rows is None:
+            return "; decode and verification steps: the fused C step at every row count"
+        return (f"; decode and verification steps: fused C step below {rows} rows, from {rows} the hybrid step "
+                "(library products, attention in C over the pool)")
 
     @property
     def capacity_lines(self) -> list[str]:

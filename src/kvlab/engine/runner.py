@@ -15,7 +15,10 @@ speculative verification of [last token, drafts]) is one C call, each fed token 
 own at its own position (kvlab.nn.paged_decode, `PagedDecodeStep.feeds`); so are the
 proposers' rounds: the self-draft as the C step cut to the target's first layers, a draft
 model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
-Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
+Where the step's rows (one per decoding sequence, k + 1 per verification) are at or above that
+crossover, a decode or verification step takes the hybrid step instead (kvlab.nn.hybrid_step:
+the products in the library, attention in C over the pool, the same calls), and below it the
+fused step: a batch-1 step is always the fused one. Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
 rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where the step's rows are
 fewer than the machine's measured crossover to the library's products (kvlab.nn.matmul_backend);
 past either, and for a draft model's catch-up over a whole prompt, module by module, where each
@@ -70,6 +73,12 @@ class ModelRunner:
         # engine; it leaves the rows of plain requests alone.
         self.logits_processor = None
         self.paged_step = paged_step  # a fused decode step over the pool, where one applies
+        # its twin with the products in the library, for decode and verification steps past the crossover
+        self.hybrid_step = None
+        from kvlab.nn.paged_decode import PagedDecodeStep
+        if isinstance(paged_step, PagedDecodeStep):
+            from kvlab.nn.hybrid_step import hybrid_step_for
+            self.hybrid_step = hybrid_step_for(model, pool, paged_step.max_rows)
         self._probe = None  # the product whose crossover decides where prompt steps run (_on_library)
         fault = os.environ.get("KVLAB_FAULT_INJECT", "").strip()
         self.fault_token = int(fault) if fault.lstrip("-").isdigit() else None
@@ -117,7 +126,7 @@ class ModelRunner:
         ends = torch.tensor(lens).cumsum(0)
         hidden = None  # every fed row's final hidden state, for a draft head
         if self.paged_step is not None and batch.is_decode and self.head_proposer is None:
-            logits = self.paged_step(torch.tensor([t for f in feeds for t in f]), batch)
+            logits = self.decode_step(len(seqs))(torch.tensor([t for f in feeds for t in f]), batch)
             rows = [[i] for i in range(len(seqs))]
         else:  # prompts (chunks), verifications, or a mix with decodes: logits for the rows that are read
             # every row of a feed where drafts are verified or prompt log-probabilities asked for, else the last
@@ -129,8 +138,8 @@ class ModelRunner:
             if self.paged_step is not None and in_c:  # a row per token, in C
                 if self.head_proposer is not None:
                     hidden = torch.empty(int(ends[-1]), self.model.config.dim)
-                logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                               tables, logit_rows=flat, hidden=hidden)
+                step = self.decode_step(int(ends[-1])) if all(decoding) else self.paged_step
+                logits = step.feeds(feeds, [seq.num_computed for seq in seqs], tables, logit_rows=flat, hidden=hidden)
             elif self.head_proposer is not None:
                 logits, hidden = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                             rows=torch.tensor(flat), with_hidden=True)
@@ -176,6 +185,17 @@ class ModelRunner:
             layers = [m for m in self.model.blocks[0].modules() if isinstance(m, GGMLLinear)]
             self._probe = max(layers, key=lambda m: m.out_features * m.in_features) if layers else False
         return self._probe or None
+
+    def decode_step(self, rows: int):
+        """The step for a decode or verification of `rows` fed tokens: the hybrid one (library products, C
+        attention) where those rows multiply faster in the library, else the fused C step."""
+        return self.hybrid_step if self.hybrid_step is not None and self._on_library(rows) else self.paged_step
+
+    def hybrid_from(self) -> Optional[int]:
+        """The fewest rows a decode step of this engine takes the hybrid step at, None for never (start-up log)."""
+        if self.hybrid_step is None:
+            return None
+        return next((rows for rows in range(2, self.hybrid_step.max_rows + 1) if self._on_library(rows)), None)
 
     def _on_library(self, rows: int) -> bool:
         """Whether a step of `rows` fed tokens multiplies faster in the library than in C."""

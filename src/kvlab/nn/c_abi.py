@@ -28,13 +28,14 @@ MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 
 MAX_LAYOUTS = 4  # distinct attention windows a model may have (full attention is one)
 PAGED_STEP_ARGS = 13  # llama_paged_step's parameters (kvlab.nn.kernels declares its argtypes from this)
+PAGED_ATTEND_ARGS = 11  # llama_paged_attend's
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
 ATTENTIONS = {"gqa": 0, "mla": 1}  # csrc/llama_decode.h's ATTN_* (kvlab.nn.config.ATTENTION_KINDS)
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
              "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK,
              "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
-             "PAGED_STEP_ARGS": PAGED_STEP_ARGS,
+             "PAGED_STEP_ARGS": PAGED_STEP_ARGS, "PAGED_ATTEND_ARGS": PAGED_ATTEND_ARGS,
              "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"],
              "ATTN_GQA": ATTENTIONS["gqa"], "ATTN_MLA": ATTENTIONS["mla"]}
 

@@ -128,6 +128,8 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.llama_paged_decode_step.restype = i32
     lib.llama_paged_step.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, ptr, ptr, i32, ptr, ptr, ptr]
     lib.llama_paged_step.restype = i32
+    lib.llama_paged_attend.argtypes = [ptr, i32, i32, ptr, ptr, i32, i32, i32, ptr, ptr, ptr]
+    lib.llama_paged_attend.restype = i32
     lib.kvlab_arena_new.argtypes, lib.kvlab_arena_new.restype = [], ptr
     lib.kvlab_arena_free.argtypes, lib.kvlab_arena_free.restype = [ptr], None
     lib.kvlab_fp8_encode.argtypes, lib.kvlab_fp8_encode.restype = [i32, ptr, ptr, ctypes.c_size_t], None
@@ -137,12 +139,12 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.kvlab_x8_isa.argtypes, lib.kvlab_x8_isa.restype = [], i32
     lib.kvlab_x8_set_isa.argtypes, lib.kvlab_x8_set_isa.restype = [i32], i32
     lib.fp8_vbmi_usable.argtypes, lib.fp8_vbmi_usable.restype = [], i32
-    from kvlab.nn.c_abi import PAGED_STEP_ARGS, abi_mismatches, abi_table
+    from kvlab.nn.c_abi import PAGED_ATTEND_ARGS, PAGED_STEP_ARGS, abi_mismatches, abi_table
 
     problems = abi_mismatches(abi_table(lib))
-    if len(lib.llama_paged_step.argtypes) != PAGED_STEP_ARGS:
-        problems.append(f"llama_paged_step takes {PAGED_STEP_ARGS} arguments in C, "
-                        f"{len(lib.llama_paged_step.argtypes)} in its binding")
+    for name, count in (("llama_paged_step", PAGED_STEP_ARGS), ("llama_paged_attend", PAGED_ATTEND_ARGS)):
+        if len(getattr(lib, name).argtypes) != count:
+            problems.append(f"{name} takes {count} arguments in C, {len(getattr(lib, name).argtypes)} in its binding")
     if problems:  # a drifted ctypes mirror would pass shifted pointers to C: refuse the library
         raise KernelBuildError(f"{library.name} does not match kvlab.nn.c_abi's mirrors: " + "; ".join(problems))
     asked = os.environ.get(ISA_VARIABLE)

@@ -587,13 +587,13 @@ static int layout_of(const scratch *s, int window) {
  * (its heads all read one latent row: mla_attend.h). */
 static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
 
-/* A GQA layer's attention for every row: s->att [rows, n_heads head_dim] receives the heads' outputs. */
-static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const paged_view *v, const float *x,
-                             scratch *s) {
+/* A GQA layer's attention for every row from its projected heads s->qkv [rows, (n_heads + 2 n_kv_heads)
+ * head_dim] (q/k norms and RoPE applied here, in place): each row's K and V into its block, then
+ * s->att [rows, n_heads head_dim] receives the heads' outputs. The fused step's and
+ * llama_paged_attend's (whose caller made the projections) one copy. */
+static void gqa_attend_rows(const llama_model *m, const llama_layer *l, const paged_view *v, scratch *s) {
     const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
     const int width = (hq + 2 * hkv) * d;
-    norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
-    stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; r++) { /* q/k norms and RoPE at the row's own position, then its K and V into its block */
         const int pos = v->positions[r];
@@ -623,13 +623,29 @@ static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const p
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
 }
 
+/* A GQA layer's attention for every row: its input norm and QKV product on the blocks, then gqa_attend_rows. */
+static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const paged_view *v, const float *x,
+                             scratch *s) {
+    norm_quantize(x, l->attn_norm, v->rows, m->dim, m->eps, s->normed, s);
+    stack_gemm(&l->qkv, v->rows, s, s->qkv, (m->n_heads + 2 * m->n_kv_heads) * m->head_dim);
+    gqa_attend_rows(m, l, v, s);
+}
+
+/* Layer l's view and scratch, in the calling thread's own copies: its KV group's tables, its window's layout. */
+static void layer_locals(const llama_layer *l, const paged_view *view, const scratch *shared, paged_view *lv,
+                         scratch *ls) {
+    *lv = *view;
+    lv->tables = view->block_tables + (size_t)l->group * view->rows * view->max_blocks;
+    *ls = *shared;
+    ls->layout = layout_of(shared, l->window);
+}
+
 static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *view, float *x,
                        const scratch *shared) {
     const int rows = view->rows, d = m->head_dim, hq = m->n_heads;
-    paged_view lv = *view; /* this layer's KV group and window, in each thread's own copies */
-    lv.tables = view->block_tables + (size_t)l->group * rows * view->max_blocks;
-    scratch ls = *shared;
-    ls.layout = layout_of(shared, l->window);
+    paged_view lv;
+    scratch ls;
+    layer_locals(l, view, shared, &lv, &ls);
     const paged_view *v = &lv;
     scratch *s = &ls;
     if (l->attention == ATTN_MLA)
@@ -786,6 +802,45 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
     return 0;
 }
 
+/* The step's scratch for `rows` rows at `positions`: one attention layout per distinct window of
+ * m's layers, the arena carved for the widest, each layout's units per row. 0, -1 (no memory) or
+ * -4 (more windows than MAX_LAYOUTS). */
+static int step_scratch(const llama_model *m, int rows, const int32_t *positions, kvlab_arena *arena, scratch *out) {
+    scratch s;
+    s.layouts = 0; /* one attention layout per distinct window of the model's layers */
+    for (int i = 0; i < m->n_layers; i++) {
+        int L = 0;
+        while (L < s.layouts && s.layout_window[L] != m->layers[i].window) L++;
+        if (L == s.layouts) {
+            if (s.layouts == MAX_LAYOUTS) return -4;
+            s.layout_window[s.layouts++] = m->layers[i].window;
+        }
+    }
+    int units = 0, all_units = 0; /* the widest layout's units (scratch is per layer), and all layouts' */
+    for (int L = 0; L < s.layouts; L++) {
+        int n = 0;
+        for (int r = 0; r < rows; r++) n += unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
+        units = n > units ? n : units;
+        all_units += n;
+    }
+    char *base = arena_reserve(arena, carve(m, rows, units, all_units, NULL, &s));
+    if (!base) return -1;
+    carve(m, rows, units, all_units, base, &s);
+    for (int L = 0, used = 0; L < s.layouts; L++) {
+        s.unit_first[L] = s.unit_table + (size_t)L * (rows + 1);
+        s.unit_row[L] = s.unit_table + (size_t)MAX_LAYOUTS * (rows + 1) + used;
+        s.unit_first[L][0] = 0;
+        for (int r = 0; r < rows; r++) {
+            s.unit_first[L][r + 1] = s.unit_first[L][r] + unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
+            for (int u = s.unit_first[L][r]; u < s.unit_first[L][r + 1]; u++) s.unit_row[L][u] = r;
+        }
+        used += s.unit_first[L][rows];
+    }
+    s.layout = 0;
+    *out = s;
+    return 0;
+}
+
 /* Advance `rows` rows by one token each: row r's token sits at positions[r]; its blocks in KV
  * group g are block_tables[(g * rows + r) * max_blocks ..] (entries past positions[r] /
  * block_size, and before a windowed layer's window, are not read), each
@@ -823,36 +878,8 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
     for (int i = 0; logit_rows && i < n_logits; i++)
         if (logit_rows[i] < (i ? logit_rows[i - 1] + 1 : 0) || logit_rows[i] >= rows) return -2;
     scratch s;
-    s.layouts = 0; /* one attention layout per distinct window of the model's layers */
-    for (int i = 0; i < m->n_layers; i++) {
-        int L = 0;
-        while (L < s.layouts && s.layout_window[L] != m->layers[i].window) L++;
-        if (L == s.layouts) {
-            if (s.layouts == MAX_LAYOUTS) return -4;
-            s.layout_window[s.layouts++] = m->layers[i].window;
-        }
-    }
-    int units = 0, all_units = 0; /* the widest layout's units (scratch is per layer), and all layouts' */
-    for (int L = 0; L < s.layouts; L++) {
-        int n = 0;
-        for (int r = 0; r < rows; r++) n += unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
-        units = n > units ? n : units;
-        all_units += n;
-    }
-    char *base = arena_reserve(arena, carve(m, rows, units, all_units, NULL, &s));
-    if (!base) return -1;
-    carve(m, rows, units, all_units, base, &s);
-    for (int L = 0, used = 0; L < s.layouts; L++) {
-        s.unit_first[L] = s.unit_table + (size_t)L * (rows + 1);
-        s.unit_row[L] = s.unit_table + (size_t)MAX_LAYOUTS * (rows + 1) + used;
-        s.unit_first[L][0] = 0;
-        for (int r = 0; r < rows; r++) {
-            s.unit_first[L][r + 1] = s.unit_first[L][r] + unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
-            for (int u = s.unit_first[L][r]; u < s.unit_first[L][r + 1]; u++) s.unit_row[L][u] = r;
-        }
-        used += s.unit_first[L][rows];
-    }
-    s.layout = 0;
+    const int prepared = step_scratch(m, rows, positions, arena, &s);
+    if (prepared) return prepared;
     const paged_view view = {rows, max_blocks, block_size, positions, block_tables, block_tables};
 #pragma omp parallel
     {
@@ -872,6 +899,37 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
             norm_quantize(x, m->final_norm, n_logits, m->dim, m->eps, s.normed, &s);
             qmatrix_gemm(&m->lm_head, n_logits, &s.qa, logits, m->vocab, 0);
         }
+    }
+    return 0;
+}
+
+/* One GQA layer's attention for a step's rows, the projections being the caller's (kvlab.nn.hybrid_step
+ * multiplies them in a library where a batch of rows runs faster there): qkv [rows, (n_heads + 2
+ * n_kv_heads) head_dim] holds each row's projected query, key and value heads (q/k norms and RoPE
+ * are applied here, in place), row r's K/V go into layer `layer`'s cache at positions[r] through
+ * the cache's codecs, and att [rows, n_heads head_dim] receives the attended heads: what the fused
+ * step does between its QKV and output products (gqa_attend_rows, one copy). Arguments and returns
+ * as llama_paged_step's, checked for this layer alone; -4 also for an MLA layer. */
+int llama_paged_attend(const llama_model *m, int layer, int rows, const int32_t *positions,
+                       const int32_t *block_tables, int max_blocks, int block_size, int num_blocks, float *qkv,
+                       float *att, kvlab_arena *arena) {
+    if (layer < 0 || layer >= m->n_layers) return -2;
+    llama_model one = *m; /* the layer alone: its checks, its window's layout */
+    one.n_layers = 1, one.layers = m->layers + layer;
+    if (one.layers->attention != ATTN_GQA || m->kv_lora_rank) return -4;
+    int status = check_step(&one, rows, positions, block_tables, max_blocks, block_size, num_blocks);
+    if (status) return status;
+    scratch s;
+    status = step_scratch(&one, rows, positions, arena, &s);
+    if (status) return status;
+    s.qkv = qkv, s.att = att;
+    const paged_view view = {rows, max_blocks, block_size, positions, block_tables, block_tables};
+#pragma omp parallel
+    {
+        paged_view lv;
+        scratch ls;
+        layer_locals(one.layers, &view, &s, &lv, &ls);
+        gqa_attend_rows(&one, one.layers, &lv, &ls);
     }
     return 0;
 }

@@ -31,6 +31,7 @@ static inline int cache_code_bits(int dtype) { return dtype == CACHE_INT4 ? 4 : 
 #define CHUNK 128    /* tokens per attention work unit */
 #define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
 #define PAGED_STEP_ARGS 13 /* llama_paged_step's parameters: its ctypes binding declares as many */
+#define PAGED_ATTEND_ARGS 11 /* llama_paged_attend's */
 
 /* How a layer attends (llama_layer.attention). */
 enum {
