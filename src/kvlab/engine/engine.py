@@ -210,7 +210,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.max_wait_ms, lookahead), self.blocks)
         paged_step = draft_step = None
-        if config.paged_step and not self.pool.pre_rope:  # the C step reads keys rotated when written
+        # the C step reads keys rotated when written, or a KVQuant pool's pre-RoPE keys (rotated after decoding)
+        if config.paged_step and (not self.pool.pre_rope or self.pool.kvquant is not None):
             from kvlab.nn.paged_decode import paged_step_for
             paged_step = paged_step_for(model, self.pool, config.max_num_seqs)
             if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:

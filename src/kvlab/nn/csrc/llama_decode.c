@@ -46,6 +46,7 @@ typedef struct {
     float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
     float *lat, *mq; /* MLA (mla_attend.h): each head's attended latent [rows, heads, rank], absorbed queries */
     float *mla_rows; /* MLA: per thread, MLA_SUB cached rows widened to fp32 */
+    int *kvq_off;    /* KVQuant: each attention unit's first slot in its seat's key outliers (kvquant_attend.h) */
     qacts qa; /* the activations of the next product, quantised */
     /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
@@ -587,6 +588,9 @@ static int layout_of(const scratch *s, int window) {
  * (its heads all read one latent row: mla_attend.h). */
 static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
 
+/* KVQuant layers' writes and attention: in their own file, using the helpers above. */
+#include "kvquant_attend.h"
+
 /* A GQA layer's attention for every row: s->att [rows, n_heads head_dim] receives the heads' outputs. */
 static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const paged_view *v, const float *x,
                              scratch *s) {
@@ -634,6 +638,8 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
     scratch *s = &ls;
     if (l->attention == ATTN_MLA)
         mla_attend_layer(m, l, v, x, s);
+    else if (m->kvq)
+        kvq_attend_layer(m, l, v, x, s);
     else
         gqa_attend_layer(m, l, v, x, s);
     quantize_act(s->att, (size_t)rows * hq * d, &s->qa);
@@ -713,6 +719,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
         mla ? (size_t)rows * m->n_heads * rank * sizeof(float) : 0,
         mla ? (size_t)rows * m->n_heads * mla_query_width(m) * sizeof(float) : 0,
         mla ? (size_t)omp_get_max_threads() * MLA_SUB * mla_row_width(m) * sizeof(float) : 0,
+        m->kvq ? (size_t)units * sizeof(int) : 0,
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
@@ -725,6 +732,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
                       (void **)&s->part_out, (void **)&s->sub, (void **)&s->lat, (void **)&s->mq, (void **)&s->mla_rows,
+                      (void **)&s->kvq_off,
                       (void **)&s->qa.q, (void **)&s->qa.d,
                       (void **)&s->qa.s, (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
                       (void **)&s->unit_table};
@@ -765,7 +773,12 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
                       int max_blocks, int block_size, int num_blocks) {
     if (rows < 1 || max_blocks < 1 || block_size < 1 || m->n_groups < 1) return -2;
     if (m->n_heads % m->n_kv_heads || m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
-    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT2 || m->head_dim % 8 ||
+    if ((m->cache_dtype == CACHE_KVQUANT) != (m->kvq != NULL)) return -4;
+    if (m->kvq) {
+        const int status = kvq_check_step(m, rows, positions);
+        if (status) return status;
+    }
+    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_KVQUANT || m->head_dim % 8 ||
         (cache_grouped(m->cache_dtype) && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
         (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;

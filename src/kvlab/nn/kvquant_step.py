@@ -1,0 +1,75 @@
+"""A KVQuant pool (kvlab.cache.kvquant_pool.KVQuantPlanes) described to the C step (csrc/kvquant.h).
+
+The C step writes and attends over a KVQuant pool in place (csrc/kvquant_attend.h): it needs every
+layer's tensors (codes, outlier counts, value scales and outliers, the seats' sinks and key
+outliers, the codebooks and the keys' channel ranges) and, per step, each row's seat, since a
+sequence's sinks and key outliers live in its seat rather than in its blocks. `kvquant_struct`
+builds the descriptor once; `set_seats` points it at the step's seats before each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from kvlab.nn.c_abi import KVQuantCache, KVQuantLayer
+from kvlab.nn.model import Decoder
+from kvlab.plan.kv_formats import outliers_per_row
+
+
+def why_not_kvquant(model: Decoder, pool) -> Optional[str]:
+    """None when the C step can run `model` on the KVQuant pool `pool`, else the reason (its caller checked
+    the model itself)."""
+    config, planes = model.config, pool.kvquant
+    if any(config.window_of(layer) for layer in range(config.n_layers)):
+        return "the C step's KVQuant layers attend fully"
+    if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
+            (config.n_layers, config.kv_heads, config.head_size, config.head_size):
+        return "the pool was not built for this model's layers, KV heads and head dim"
+    if pool.compute_dtype != torch.float32:
+        return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    if planes.bits not in (3, 4) or planes.dim >= 256:
+        return "the C step runs 3- and 4-bit KVQuant rows of fewer than 256 channels (one-byte counts and indices)"
+    return None
+
+
+def _tensor(t: torch.Tensor) -> int:
+    if not t.is_contiguous():
+        raise ValueError("a KVQuant pool tensor the C step writes must be contiguous")
+    return t.data_ptr()
+
+
+def kvquant_struct(pool, num_layers: Optional[int] = None) -> tuple[KVQuantCache, list]:
+    """The C descriptor of `pool`'s KVQuant tensors (its first `num_layers` layers), and what must outlive it."""
+    planes = pool.kvquant
+    keep = []
+    layers = []
+    for layer in range(num_layers or pool.num_layers):
+        keys, values, fields = planes.keys[layer], planes.values[layer], planes.v_fields[layer]
+        constants = [keys.codebook.contiguous(), values.codebook.contiguous(), keys.zero.contiguous(),
+                     keys.range.contiguous()]
+        keep.extend(constants)
+        layers.append(KVQuantLayer(
+            _tensor(planes.k_codes[layer]), _tensor(planes.k_counts[layer]), _tensor(fields["codes"]),
+            _tensor(fields["zero"]), _tensor(fields["scale"]), _tensor(fields["outlier_values"]),
+            _tensor(fields["outlier_index"]), _tensor(planes.k_sink[layer]), _tensor(planes.v_sink[layer]),
+            _tensor(planes.k_outliers[layer]), _tensor(planes.k_outlier_index[layer]),
+            *(t.data_ptr() for t in constants)))
+    array = (KVQuantLayer * len(layers))(*layers)
+    keep.append(array)
+    struct = KVQuantCache(planes.bits, planes.percent, planes.sinks, planes.capacity,
+                          outliers_per_row(planes.dim, planes.percent), pool.seats, planes.max_tokens, None, array)
+    return struct, keep
+
+
+def set_seats(struct: KVQuantCache, seats: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """Point `struct` at the step's seats (int32 [rows]); returns the tensor the call must keep alive."""
+    if seats is None:
+        raise ValueError("a KVQuant pool's step needs each row's seat (its sinks and key outliers live there)")
+    seats = seats.to(torch.int32).reshape(-1).contiguous()
+    if seats.numel() != rows:
+        raise ValueError(f"{seats.numel()} seats for {rows} rows")
+    struct.row_seats = seats.data_ptr()
+    return seats
