@@ -92,7 +92,7 @@ class KVQuantLayer(ctypes.Structure):
 class KVQuantCache(ctypes.Structure):
     """kvquant.h's kvquant_cache: a KVQuant pool's shape, the step's seats (set before every call) and its layers."""
     _fields_ = [("bits", _int), ("outlier_percent", _int), ("sinks", _int), ("capacity", _int),
-                ("v_outliers", _int), ("seats", _int), ("max_tokens", _int), ("row_seats", _ptr),
+                ("v_outliers", _int), ("seats", _int), ("max_tokens", _int), ("rope_halves", _int), ("row_seats", _ptr),
                 ("layers", ctypes.POINTER(KVQuantLayer))]
 
 

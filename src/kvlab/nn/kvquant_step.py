@@ -16,6 +16,7 @@ import torch
 
 from kvlab.nn.c_abi import KVQuantCache, KVQuantLayer
 from kvlab.nn.model import Decoder
+from kvlab.nn.rope import INTERLEAVED
 from kvlab.plan.kv_formats import outliers_per_row
 
 
@@ -41,8 +42,21 @@ def _tensor(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def kvquant_struct(pool, num_layers: Optional[int] = None) -> tuple[KVQuantCache, list]:
-    """The C descriptor of `pool`'s KVQuant tensors (its first `num_layers` layers), and what must outlive it."""
+def half_style_tables(model: Decoder) -> bool:
+    """Whether every layer's RoPE tables are [cos, cos] and [-sin, sin] halves (kvlab.nn.rope's half style):
+    the C step then rotates keys by a recurrence over positions instead of reading a table row per key."""
+    config = model.config
+    if getattr(model.rope, "style", None) == INTERLEAVED or config.head_size % 16:
+        return False
+    half = config.head_size // 2
+    tables = {id(rope): rope for rope in (model.rope_for(layer) for layer in range(config.n_layers))}
+    return all(rope.cos.shape[-1] == config.head_size and torch.equal(rope.cos[:, :half], rope.cos[:, half:]) and torch.equal(rope.sin[:, :half], -rope.sin[:, half:])
+               for rope in tables.values())
+
+
+def kvquant_struct(pool, num_layers: Optional[int] = None, rope_halves: bool = False) -> tuple[KVQuantCache, list]:
+    """The C descriptor of `pool`'s KVQuant tensors (its first `num_layers` layers), and what must outlive it;
+    `rope_halves` is half_style_tables(model)."""
     planes = pool.kvquant
     keep = []
     layers = []
@@ -60,7 +74,8 @@ def kvquant_struct(pool, num_layers: Optional[int] = None) -> tuple[KVQuantCache
     array = (KVQuantLayer * len(layers))(*layers)
     keep.append(array)
     struct = KVQuantCache(planes.bits, planes.percent, planes.sinks, planes.capacity,
-                          outliers_per_row(planes.dim, planes.percent), pool.seats, planes.max_tokens, None, array)
+                          outliers_per_row(planes.dim, planes.percent), pool.seats, planes.max_tokens, int(rope_halves),
+                          None, array)
     return struct, keep
 
 

@@ -56,7 +56,7 @@ from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, CACHE_KVQUANT, KVPlan
 from kvlab.nn.c_model import embed_rows, llama_struct, new_arena, why_not_model
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
-from kvlab.nn.kvquant_step import kvquant_struct, set_seats, why_not_kvquant
+from kvlab.nn.kvquant_step import half_style_tables, kvquant_struct, set_seats, why_not_kvquant
 from kvlab.nn.model import Decoder
 
 ERRORS = {-1: "could not allocate its scratch memory", -2: "was handed a position or block outside the model or pool",
@@ -169,7 +169,7 @@ class PagedDecodeStep:
         self._struct, self._layers = llama_struct(model, sides, cache_code, group_size, num_layers, layer_groups)
         self._kvq = None
         if pool.kvquant is not None:
-            self._kvq, kept = kvquant_struct(pool, num_layers)
+            self._kvq, kept = kvquant_struct(pool, num_layers, half_style_tables(model))
             self._keep.extend(kept)
             self._struct.kvq = ctypes.addressof(self._kvq)
         self._arena = new_arena()

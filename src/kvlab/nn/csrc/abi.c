@@ -44,7 +44,7 @@ static const abi_entry ABI[] = {
     FIELD(kvquant_layer, v_codebook), FIELD(kvquant_layer, k_zero), FIELD(kvquant_layer, k_range),
     SIZE(kvquant_cache), FIELD(kvquant_cache, bits), FIELD(kvquant_cache, outlier_percent), FIELD(kvquant_cache, sinks),
     FIELD(kvquant_cache, capacity), FIELD(kvquant_cache, v_outliers), FIELD(kvquant_cache, seats),
-    FIELD(kvquant_cache, max_tokens), FIELD(kvquant_cache, row_seats), FIELD(kvquant_cache, layers),
+    FIELD(kvquant_cache, max_tokens), FIELD(kvquant_cache, rope_halves), FIELD(kvquant_cache, row_seats), FIELD(kvquant_cache, layers),
     CONSTANT(CACHE_F32), CONSTANT(CACHE_F16), CONSTANT(CACHE_BF16), CONSTANT(CACHE_FP8_E4M3),
     CONSTANT(CACHE_FP8_E5M2), CONSTANT(CACHE_INT8), CONSTANT(CACHE_INT4), CONSTANT(CACHE_INT2), CONSTANT(CACHE_KVQUANT), CONSTANT(CHUNK),
     CONSTANT(MAX_GROUP), CONSTANT(QK),

@@ -36,6 +36,8 @@ typedef struct {
     int capacity;         /* outlier slots per seat and head: outlier_capacity(max_tokens - sinks) */
     int v_outliers;       /* outliers per value row: ceil(head_dim percent / 100) */
     int seats, max_tokens;
+    int rope_halves;      /* 1: every layer's RoPE tables are kvlab.nn.rope's half style, cos [c, c] and sin [-s, s]
+                             (the keys' rotation then runs on a recurrence in registers: kvquant_attend.h) */
     const int32_t *row_seats; /* [rows]: each row's seat, set by the caller before every step */
     const kvquant_layer *layers;
 } kvquant_cache;

@@ -33,8 +33,16 @@ static inline int kvq_min(int a, int b) { return a < b ? a : b; }
 /* Codes c .. c + 7 (c a multiple of 8) of a row packed `bits` to a code (kvlab.cache.bitpack: eight
  * codes fill `bits` bytes, code j at bit bits j, lowest first), as eight lanes. */
 static inline __attribute__((always_inline)) __m256i kvq_codes8(const uint8_t *row, int c, const int bits) {
-    uint32_t word = 0;
-    memcpy(&word, row + c / 8 * bits, bits); /* 3 or 4 bytes: never past the row */
+    const uint8_t *at = row + c / 8 * bits;
+    uint32_t word; /* 3 or 4 bytes, never past the row, put together in a register (a 3-byte memcpy went
+                      through the stack, and its 4-byte reload waited on the two stores every time) */
+    if (bits == 4) {
+        memcpy(&word, at, 4);
+    } else {
+        uint16_t low;
+        memcpy(&low, at, 2);
+        word = low | (uint32_t)at[2] << 16;
+    }
     const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
                                      : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
     return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), _mm256_set1_epi32((1 << bits) - 1));
@@ -208,8 +216,119 @@ static inline void kvq_rotate(const float *x, const float *cos, const float *sin
     }
 }
 
+/* Code c of a packed row, alone (an outlier's dense value, to correct it by). */
+static inline int kvq_code_at(const uint8_t *row, int c, int bits) {
+    const int bit = c * bits, shift = bit % 8;
+    int word = row[bit / 8];
+    if (shift + bits > 8) word |= row[bit / 8 + 1] << 8;
+    return (word >> shift) & ((1 << bits) - 1);
+}
+
+/* The fast path's key scores (rope_halves, at most 4 query heads a KV head): scores[j][t] for t0 <= t < len.
+ * A key is decoded, rotated and dotted in registers, half a row against the other half: with cos [C, C]
+ * and sin [-S, S], y_i = a C - b S and y_{i+h} = b C + a S for a = x_i, b = x_{i+h}. C and S follow the
+ * positions by angle addition (C' = C C1 - S S1, S' = S C1 + C S1, C1 and S1 the tables' position 1),
+ * taken from the table again every 16 positions: a table row is 2 d floats, seven times a 4-bit key's
+ * bytes, and reading one per key cost more than the key. An outlier is the decoded row plus
+ * (value - dense value) at its channel, rotated into its channel and its partner: a correction to the
+ * dot products, so the row never leaves the registers. */
+static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_layer *kl, const float *cos_tab,
+                                                               const float *sin_tab, const size_t *slots, int start,
+                                                               int t0, int len, int d, const float *range,
+                                                               const float *zero, const float *book, __m256 lo,
+                                                               __m256 hi, const float *q, float scale, int capacity,
+                                                               const uint16_t *k_out, const uint8_t *k_index, int off,
+                                                               float *scores, const int bits, const int GH) {
+    const int h = d / 2, rb = d * bits / 8;
+    float C[h], S[h];
+    const float *C1 = cos_tab + d, *S1 = sin_tab + d + h;
+    for (int t = t0; t < len; t++) {
+        const int p = start + t;
+        if (t == t0 || p % 16 == 0) {
+            memcpy(C, cos_tab + (size_t)p * d, sizeof C);
+            memcpy(S, sin_tab + (size_t)p * d + h, sizeof S);
+        } else {
+            for (int i = 0; i < h; i += 8) {
+                const __m256 c = _mm256_loadu_ps(C + i), s = _mm256_loadu_ps(S + i);
+                const __m256 c1 = _mm256_loadu_ps(C1 + i), s1 = _mm256_loadu_ps(S1 + i);
+                _mm256_storeu_ps(C + i, _mm256_fnmadd_ps(s, s1, _mm256_mul_ps(c, c1)));
+                _mm256_storeu_ps(S + i, _mm256_fmadd_ps(c, s1, _mm256_mul_ps(s, c1)));
+            }
+        }
+        const uint8_t *row = kl->k_codes + slots[t] * rb;
+        if (t + 8 < len) _mm_prefetch((const char *)(kl->k_codes + slots[t + 8] * rb), _MM_HINT_T0);
+        __m256 acc[4];
+        for (int j = 0; j < GH; j++) acc[j] = _mm256_setzero_ps();
+        for (int i = 0; i < h; i += 8) {
+            const __m256 a = _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, i, bits), lo, hi, bits), _mm256_loadu_ps(range + i),
+                                             _mm256_loadu_ps(zero + i));
+            const __m256 b = _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, i + h, bits), lo, hi, bits),
+                                             _mm256_loadu_ps(range + i + h), _mm256_loadu_ps(zero + i + h));
+            const __m256 c = _mm256_loadu_ps(C + i), s = _mm256_loadu_ps(S + i);
+            const __m256 ya = _mm256_fnmadd_ps(b, s, _mm256_mul_ps(a, c)), yb = _mm256_fmadd_ps(a, s, _mm256_mul_ps(b, c));
+            for (int j = 0; j < GH; j++) {
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i), ya, acc[j]);
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i + h), yb, acc[j]);
+            }
+        }
+        float fix[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int n = kvq_min(kl->k_counts[slots[t]], capacity - off);
+        for (int k = 0; k < n; k++) {
+            const int ch = k_index[off + k];
+            if (ch >= d) continue;
+            const float dense = fmaf(book[kvq_code_at(row, ch, bits)], range[ch], zero[ch]);
+            const float delta = f16_to_f32(k_out[off + k]) - dense;
+            const int i = ch % h;
+            const float da = ch < h ? delta * C[i] : -delta * S[i], db = ch < h ? delta * S[i] : delta * C[i];
+            for (int j = 0; j < GH; j++) fix[j] += q[j * d + i] * da + q[j * d + i + h] * db;
+        }
+        off += n > 0 ? n : 0;
+        for (int j = 0; j < GH; j++) scores[(size_t)j * CHUNK + t] = (hsum(acc[j]) + fix[j]) * scale;
+    }
+}
+
+/* The fast path's weighted values over t0 <= t < len, added to out [GH, d]: NV vectors of channels a pass
+ * over the chunk, the GH x NV sums in registers; the rows' outliers as corrections after. */
+static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_layer *kl, const size_t *slots, int t0,
+                                                                 int len, int d, const float *vs, const float *vz,
+                                                                 __m256 lo, __m256 hi, const float *scores, float *out,
+                                                                 const int bits, const int GH, const int NV) {
+    const int rb = d * bits / 8;
+    for (int i0 = 0; i0 < d; i0 += 8 * NV) {
+        __m256 acc[4][4];
+        for (int j = 0; j < GH; j++)
+            for (int u = 0; u < NV; u++) acc[j][u] = _mm256_setzero_ps();
+        for (int t = t0; t < len; t++) {
+            const uint8_t *row = kl->v_codes + slots[t] * rb;
+            const __m256 sc = _mm256_broadcast_ss(vs + t), z = _mm256_broadcast_ss(vz + t);
+            __m256 w[4];
+            for (int j = 0; j < GH; j++) w[j] = _mm256_broadcast_ss(scores + (size_t)j * CHUNK + t);
+            for (int u = 0; u < NV; u++) {
+                const __m256 x = _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, i0 + 8 * u, bits), lo, hi, bits), sc, z);
+                for (int j = 0; j < GH; j++) acc[j][u] = _mm256_fmadd_ps(w[j], x, acc[j][u]);
+            }
+        }
+        for (int j = 0; j < GH; j++)
+            for (int u = 0; u < NV; u++) {
+                float *o = out + (size_t)j * d + i0 + 8 * u;
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[j][u]));
+            }
+    }
+}
+
+#define KVQ_FAST_VALUES(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH)              \
+    do {                                                                                          \
+        if (GH <= 2 && d % 32 == 0)                                                               \
+            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 4);     \
+        else                                                                                      \
+            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 2);     \
+    } while (0)
+
 /* One attention unit (row, KV head, chunk) of a KVQuant layer: each query head's softmax partials, as
- * attend_chunk leaves them for combine_heads. `bits` is fixed per instance, so the lookups are constant. */
+ * attend_chunk leaves them for combine_heads. `bits` is fixed per instance, so the lookups are constant.
+ * The fast path (kvq_fast_keys, kvq_fast_values) takes every row past the sinks where the tables are
+ * half style and a KV head serves at most 4 query heads; the rest go through the plain loops: the row
+ * decoded into memory, its outliers put in place, rotated with its position's table row. */
 static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_model *m, const llama_layer *l,
                                                                   const kvquant_layer *kl, const paged_view *v,
                                                                   int unit, const float *qkv, int width, scratch *s,
@@ -220,15 +339,20 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
     const int local = unit - s->unit_first[L][r], kvh = local / chunks, start = local % chunks * CHUNK;
     const int len = kvq_min(start + CHUNK, pos + 1) - start, seat = kc->row_seats[r], sinks = kc->sinks;
     const int rb = d * bits / 8, nv = kc->v_outliers;
+    const int t0 = sinks > start ? kvq_min(sinks - start, len) : 0; /* the chunk's sink rows come first */
+    const int fast = kc->rope_halves && group <= 4, plain_end = fast ? t0 : len;
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
     size_t slots[CHUNK];
-    for (int t = 0; t < len; t++) {
+    float vs[CHUNK], vz[CHUNK];
+    for (int t = t0; t < len; t++) {
         const int p = start + t;
         slots[t] = ((size_t)table[p / bs] * hkv + kvh) * bs + p % bs;
+        vs[t] = f16_to_f32(kl->v_scale[slots[t]]), vz[t] = f16_to_f32(kl->v_zero[slots[t]]);
     }
-    float zero[d], range[d], kr[d], rot[d];
+    float zero[d], range[d], kr[d], rot[d], k_book[16], v_book[16];
     for (int c = 0; c < d; c++)
         zero[c] = f16_to_f32(kl->k_zero[(size_t)kvh * d + c]), range[c] = f16_to_f32(kl->k_range[(size_t)kvh * d + c]);
+    for (int j = 0; j < 1 << bits; j++) k_book[j] = f16_to_f32(kl->k_codebook[j]), v_book[j] = f16_to_f32(kl->v_codebook[j]);
     __m256 k_lo, k_hi, v_lo, v_hi;
     kvq_codebook(kl->k_codebook, bits, &k_lo, &k_hi);
     kvq_codebook(kl->v_codebook, bits, &v_lo, &v_hi);
@@ -240,21 +364,21 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
     const uint16_t *k_out = kl->k_outliers + pool;
     const uint8_t *k_index = kl->k_outlier_index + pool;
     int off = s->kvq_off[unit];
-    for (int t = 0; t < len; t++) { /* scores */
+    for (int t = 0; t < plain_end; t++) { /* scores, plain */
         const int p = start + t;
         if (p < sinks) {
             const uint16_t *row = kl->k_sink + (((size_t)seat * hkv + kvh) * sinks + p) * d;
             for (int c = 0; c < d; c += 8) _mm256_storeu_ps(kr + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + c))));
         } else {
             const uint8_t *row = kl->k_codes + slots[t] * rb;
-            if (t + 8 < len) _mm_prefetch((const char *)(kl->k_codes + slots[t + 8] * rb), _MM_HINT_T0);
             for (int c = 0; c < d; c += 8) {
                 const __m256 x = kvq_lookup(kvq_codes8(row, c, bits), k_lo, k_hi, bits);
-                _mm256_storeu_ps(kr + c, _mm256_add_ps(_mm256_mul_ps(x, _mm256_loadu_ps(range + c)), _mm256_loadu_ps(zero + c)));
+                _mm256_storeu_ps(kr + c, _mm256_fmadd_ps(x, _mm256_loadu_ps(range + c), _mm256_loadu_ps(zero + c)));
             }
-            const int n = kl->k_counts[slots[t]];
-            for (int i = 0; i < n; i++) kr[k_index[off + i]] = f16_to_f32(k_out[off + i]);
-            off += n;
+            const int n = kvq_min(kl->k_counts[slots[t]], kc->capacity - off); /* a corrupt count stays in the pool */
+            for (int i = 0; i < n; i++)
+                if (k_index[off + i] < d) kr[k_index[off + i]] = f16_to_f32(k_out[off + i]);
+            off += n > 0 ? n : 0;
         }
         kvq_rotate(kr, l->rope_cos + (size_t)p * d, l->rope_sin + (size_t)p * d, d, m->rope_interleaved, rot);
         for (int j = 0; j < group; j++) {
@@ -263,6 +387,9 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
             scores[(size_t)j * CHUNK + t] = hsum(acc) * scale;
         }
     }
+    if (fast)
+        FOR_HEAD_PACK(group, kvq_fast_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, d, range, zero, k_book,
+                      k_lo, k_hi, q, scale, kc->capacity, k_out, k_index, off, scores, bits)
     for (int j = 0; j < group; j++) { /* softmax partials, as attend_heads leaves them */
         float *sh = scores + (size_t)j * CHUNK, top = -INFINITY, total = 0.0f;
         for (int t = 0; t < len; t++) top = fmaxf(top, sh[t]);
@@ -278,7 +405,7 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
         s->part_max[at + j] = top, s->part_sum[at + j] = total;
     }
     memset(out, 0, (size_t)group * d * sizeof(float));
-    for (int t = 0; t < len; t++) { /* the weighted values */
+    for (int t = 0; t < plain_end; t++) { /* the weighted values, plain */
         const int p = start + t;
         if (p < sinks) {
             const uint16_t *row = kl->v_sink + (((size_t)seat * hkv + kvh) * sinks + p) * d;
@@ -286,17 +413,30 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
         } else {
             const size_t slot = slots[t];
             const uint8_t *row = kl->v_codes + slot * rb;
-            if (t + 8 < len) _mm_prefetch((const char *)(kl->v_codes + slots[t + 8] * rb), _MM_HINT_T0);
-            const __m256 sc = _mm256_set1_ps(f16_to_f32(kl->v_scale[slot])), z = _mm256_set1_ps(f16_to_f32(kl->v_zero[slot]));
+            const __m256 sc = _mm256_set1_ps(vs[t]), z = _mm256_set1_ps(vz[t]);
             for (int c = 0; c < d; c += 8)
-                _mm256_storeu_ps(kr + c, _mm256_add_ps(_mm256_mul_ps(kvq_lookup(kvq_codes8(row, c, bits), v_lo, v_hi, bits), sc), z));
-            for (int i = 0; i < nv; i++) kr[kl->v_outlier_index[slot * nv + i]] = f16_to_f32(kl->v_outliers[slot * nv + i]);
+                _mm256_storeu_ps(kr + c, _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, c, bits), v_lo, v_hi, bits), sc, z));
+            for (int i = 0; i < nv; i++)
+                if (kl->v_outlier_index[slot * nv + i] < d) kr[kl->v_outlier_index[slot * nv + i]] = f16_to_f32(kl->v_outliers[slot * nv + i]);
         }
         for (int j = 0; j < group; j++) {
             const __m256 w = _mm256_set1_ps(scores[(size_t)j * CHUNK + t]);
             float *o = out + (size_t)j * d;
             for (int c = 0; c < d; c += 8)
                 _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kr + c), _mm256_loadu_ps(o + c)));
+        }
+    }
+    if (fast) {
+        FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, vs, vz, v_lo, v_hi, scores, out, bits)
+        for (int t = t0; t < len; t++) { /* each row's outliers: value - dense value, weighted */
+            const size_t slot = slots[t];
+            const uint8_t *row = kl->v_codes + slot * rb;
+            for (int i = 0; i < nv; i++) {
+                const int ch = kl->v_outlier_index[slot * nv + i];
+                if (ch >= d) continue;
+                const float delta = f16_to_f32(kl->v_outliers[slot * nv + i]) - fmaf(v_book[kvq_code_at(row, ch, bits)], vs[t], vz[t]);
+                for (int j = 0; j < group; j++) out[(size_t)j * d + ch] += scores[(size_t)j * CHUNK + t] * delta;
+            }
         }
     }
 }
