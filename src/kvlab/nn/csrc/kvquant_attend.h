@@ -344,10 +344,18 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
     size_t slots[CHUNK];
     float vs[CHUNK], vz[CHUNK];
-    for (int t = t0; t < len; t++) {
-        const int p = start + t;
-        slots[t] = ((size_t)table[p / bs] * hkv + kvh) * bs + p % bs;
-        vs[t] = f16_to_f32(kl->v_scale[slots[t]]), vz[t] = f16_to_f32(kl->v_zero[slots[t]]);
+    for (int p = start + t0; p < start + len;) { /* block by block: a division per token cost more than its key */
+        const size_t base = ((size_t)table[p / bs] * hkv + kvh) * bs;
+        const int offset = p % bs, run = kvq_min(bs - offset, start + len - p);
+        for (int u = 0; u < run; u++) slots[p - start + u] = base + offset + u;
+        int u = 0; /* the run's value scales and zeros, eight at a time */
+        for (; u + 8 <= run; u += 8) {
+            _mm256_storeu_ps(vs + p - start + u, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kl->v_scale + base + offset + u))));
+            _mm256_storeu_ps(vz + p - start + u, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kl->v_zero + base + offset + u))));
+        }
+        for (; u < run; u++)
+            vs[p - start + u] = f16_to_f32(kl->v_scale[base + offset + u]), vz[p - start + u] = f16_to_f32(kl->v_zero[base + offset + u]);
+        p += run;
     }
     float zero[d], range[d], kr[d], rot[d], k_book[16], v_book[16];
     for (int c = 0; c < d; c++)
@@ -391,9 +399,13 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
         FOR_HEAD_PACK(group, kvq_fast_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, d, range, zero, k_book,
                       k_lo, k_hi, q, scale, kc->capacity, k_out, k_index, off, scores, bits)
     for (int j = 0; j < group; j++) { /* softmax partials, as attend_heads leaves them */
-        float *sh = scores + (size_t)j * CHUNK, top = -INFINITY, total = 0.0f;
-        for (int t = 0; t < len; t++) top = fmaxf(top, sh[t]);
+        float *sh = scores + (size_t)j * CHUNK, total = 0.0f;
         int t = 0;
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
+        float top = hmax(top8);
+        for (; t < len; t++) top = sh[t] > top ? sh[t] : top; /* not fmaxf: a libm call per score */
+        t = 0;
         __m256 sum = _mm256_setzero_ps();
         for (; t + 8 <= len; t += 8) {
             const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(top)));
