@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import assert_pool_free, collect, greedy, make_engine, run_all
 from kvlab.cache.kvquant import make_kvquant_cache
 from kvlab.cache.kvquant_calibration import save_calibration
 from kvlab.nn.generate import generate
@@ -22,7 +21,7 @@ from kvquant_helpers import random_calibration
 from needs import require_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
-from test_engine_c_step import LLAMA, PROMPTS  # noqa: E402
+from test_engine_c_step import LLAMA, PROMPTS, serve_twice  # noqa: E402
 from test_c_model import ggml_model  # noqa: E402
 
 SEATS = 3
@@ -59,24 +58,13 @@ def test_c_step_equals_the_module_path_and_the_lab_cache(kv_cache_dtype, tmp_pat
     memory = 24 * kvquant_block_bytes(spec, formats, 4) + \
         SEATS * kvquant_seat_bytes(spec, formats, model.config.max_seq_len) + kv_fixed_bytes(spec, formats)
     work = list(zip(PROMPTS, [40, 25, 33, 50, 30]))
-    outputs = []
-    for paged_step in (False, True):
-        engine = make_engine(model, None, kv_cache_dtype=kv_cache_dtype, kv_calibration=str(path), block_size=4,
-                             max_num_batched_tokens=12, max_num_seqs=SEATS, kv_cache_memory=memory,
-                             paged_step=paged_step)
-        assert engine.blocks.num_blocks == 24  # 96 tokens: not all at once
-        assert engine.decode_path == ("fused C step" if paged_step else "module by module")
-        ids, got = [], {}
-        for i, (prompt, n) in enumerate(work):
-            ids.append(engine.add_request(prompt, greedy(n, ignore_eos=True)).request_id)
-            for _ in range(3 * i):
-                collect(engine.step(), got)
-        run_all(engine, got)
-        assert engine.scheduler.num_preemptions > 0
-        assert_pool_free(engine)
-        assert sorted(engine.blocks.free_seats) == list(range(SEATS))
-        outputs.append([got[rid] for rid in ids])
-    module, fused = outputs
+    module, fused, engine = serve_twice(model, work, kv_cache_dtype=kv_cache_dtype, kv_calibration=str(path),
+                                        block_size=4, max_num_batched_tokens=12, max_num_seqs=SEATS,
+                                        kv_cache_memory=memory)
+    assert engine.blocks.num_blocks == 24  # 96 tokens: not all at once
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(engine.blocks.free_seats) == list(range(SEATS))
+    module, fused = [module[i] for i in range(len(work))], [fused[i] for i in range(len(work))]
     assert sum(f == m for f, m in zip(fused, module)) >= 3
     assert all(is_a_tie(model, cal, prompt, f, m, kv_cache_dtype) for (prompt, _), f, m in zip(work, fused, module))
     assert module == [lab_reference(model, cal, prompt, n, kv_cache_dtype) for prompt, n in work]

@@ -20,17 +20,10 @@ from kvlab.nn.rope import INTERLEAVED
 from kvlab.plan.kv_formats import outliers_per_row
 
 
-def why_not_kvquant(model: Decoder, pool) -> Optional[str]:
-    """None when the C step can run `model` on the KVQuant pool `pool`, else the reason (its caller checked
-    the model itself)."""
-    config, planes = model.config, pool.kvquant
-    if any(config.window_of(layer) for layer in range(config.n_layers)):
-        return "the C step's KVQuant layers attend fully"
-    if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
-            (config.n_layers, config.kv_heads, config.head_size, config.head_size):
-        return "the pool was not built for this model's layers, KV heads and head dim"
-    if pool.compute_dtype != torch.float32:
-        return "the pool must hand attention fp32 values, as the C step computes in fp32"
+def why_not_kvquant(pool) -> Optional[str]:
+    """None when the C step can run the KVQuant pool `pool`, else the reason (why_not_paged checked the model,
+    the pool's shape, windows and compute dtype before asking)."""
+    planes = pool.kvquant
     if planes.bits not in (3, 4) or planes.dim >= 256:
         return "the C step runs 3- and 4-bit KVQuant rows of fewer than 256 channels (one-byte counts and indices)"
     return None

@@ -83,8 +83,6 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     config = model.config
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
-    if pool.kvquant is not None:
-        return why_not_kvquant(model, pool)
     if pool.kivi is not None:
         return "the C step reads K/V heads stored per token (not KIVI)"
     if pool.is_latent != (config.attention == "mla"):
@@ -100,6 +98,8 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
         return "the pool was not built for this model's layers, KV heads and head dim"
     if pool.compute_dtype != torch.float32:
         return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    if pool.kvquant is not None:
+        return why_not_kvquant(pool)
     codes = [_cache_code(codec, config.head_size) for codec in pool.codecs]
     if codes[0] is None or codes[0] != codes[1] or type(pool.codecs[0]) is not type(pool.codecs[1]) \
             or getattr(pool.codecs[0], "group_size", 0) != getattr(pool.codecs[1], "group_size", 0):

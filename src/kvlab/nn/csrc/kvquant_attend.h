@@ -470,16 +470,8 @@ static void kvq_attend_layer(const llama_model *m, const llama_layer *l, const p
     norm_quantize(x, l->attn_norm, rows, m->dim, m->eps, s->normed, s);
     stack_gemm(&l->qkv, rows, s, s->qkv, width);
 #pragma omp for schedule(static)
-    for (int r = 0; r < rows; r++) { /* q/k norms, RoPE on the queries only: the pool keeps keys before it */
-        const int pos = v->positions[r];
-        float *heads = s->qkv + (size_t)r * width;
-        if (l->q_norm)
-            for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
-        if (l->k_norm)
-            for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
-        const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
-        for (int h = 0; h < hq; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
-    }
+    for (int r = 0; r < rows; r++) /* RoPE on the queries only: the pool keeps keys before it */
+        norm_rotate_heads(m, l, s->qkv + (size_t)r * width, v->positions[r], hq);
 #pragma omp for schedule(dynamic, 1)
     for (int h = 0; h < hkv; h++) kvq_store_head(m, kl, v, s, h, width, s->qkv);
     const int units = s->unit_first[s->layout][rows];

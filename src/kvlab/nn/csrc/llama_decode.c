@@ -588,6 +588,18 @@ static int layout_of(const scratch *s, int window) {
  * (its heads all read one latent row: mla_attend.h). */
 static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
 
+/* One row's query and key heads (qkv's layout) RMS-normed where the layer norms them, then the first
+ * `rotated` of them (queries, then keys) rotated at the row's position `pos`. */
+static void norm_rotate_heads(const llama_model *m, const llama_layer *l, float *heads, int pos, int rotated) {
+    const int d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads;
+    if (l->q_norm)
+        for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
+    if (l->k_norm)
+        for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
+    const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
+    for (int h = 0; h < rotated; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+}
+
 /* KVQuant layers' writes and attention: in their own file, using the helpers above. */
 #include "kvquant_attend.h"
 
@@ -602,12 +614,7 @@ static void gqa_attend_layer(const llama_model *m, const llama_layer *l, const p
     for (int r = 0; r < rows; r++) { /* q/k norms and RoPE at the row's own position, then its K and V into its block */
         const int pos = v->positions[r];
         float *heads = s->qkv + (size_t)r * width;
-        if (l->q_norm)
-            for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
-        if (l->k_norm)
-            for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
-        const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
-        for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+        norm_rotate_heads(m, l, heads, pos, hq + hkv);
         if (packed_rows(m->cache_dtype, d, m->group_size)) /* the order attention reads them in */
             for (int h = 0; h < hq; h++) packed_permute(heads + h * d, m->cache_dtype, d);
         const int32_t block = v->tables[(size_t)r * v->max_blocks + pos / bs];
