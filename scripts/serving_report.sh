@@ -113,7 +113,7 @@ for piece in $PIECES; do
     kvquant)  # not in the default PIECES: PIECES=kvquant (the README's KVQuant-in-C figures quote it)
         CAL=reports/real-models/smollm2-135m.kvquant.safetensors
         for threads in 1 2; do
-            "${LOCK[@]}" "${KVLAB[@]}" bench paged-decode --threads $threads --repeats 7 --block-sizes 64 \
+            "${LOCK[@]}" "${KVLAB[@]}" bench paged-decode --threads $threads --repeats 5 --block-sizes 64 \
                 --formats fp16,kvquant4,kvquant3 --kv-calibration $CAL --json "$OUT/paged_kvquant_fp16_t$threads.json"
         done
         "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_kvquant4_fp16.json" --formats fp16,kvquant4 \

@@ -115,7 +115,7 @@ SMALLEST: dict[str, list[str]] = {
     "--json reports/serving/paged_int4_fp16.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "64",
          "--formats", "fp16,int8,int4,int2", "--json", "paged4.json"],
-    "kvlab bench paged-decode --threads 1 --repeats 7 --block-sizes 64 --formats fp16,kvquant4,kvquant3 "
+    "kvlab bench paged-decode --threads 1 --repeats 5 --block-sizes 64 --formats fp16,kvquant4,kvquant3 "
     "--kv-calibration reports/real-models/smollm2-135m.kvquant.safetensors --json reports/serving/paged_kvquant_fp16_t1.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "64",
          "--formats", "fp16,kvquant4,kvquant3", "--json", "pagedq.json"],
