@@ -110,6 +110,15 @@ for piece in $PIECES; do
         "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_int4_fp16.json" --formats fp16,int4 --rounds 2 \
             --what "kvlab measure at a 2,048-token prompt, fp16 against int4 pools, two rounds taking turns, one thread" \
             -- "$MODEL" --threads 1 --prompt-len 2048 --new-tokens 64 ;;
+    kvquant)  # not in the default PIECES: PIECES=kvquant (the README's KVQuant-in-C figures quote it)
+        CAL=reports/real-models/smollm2-135m.kvquant.safetensors
+        for threads in 1 2; do
+            "${LOCK[@]}" "${KVLAB[@]}" bench paged-decode --threads $threads --repeats 5 --block-sizes 64 \
+                --formats fp16,kvquant4,kvquant3 --kv-calibration $CAL --json "$OUT/paged_kvquant_fp16_t$threads.json"
+        done
+        "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_kvquant4_fp16.json" --formats fp16,kvquant4 \
+            --rounds 2 --what "kvlab measure at a 2,048-token prompt, fp16 against kvquant4 pools, two rounds taking turns, one thread" \
+            -- "$MODEL" --threads 1 --prompt-len 2048 --new-tokens 64 --kv-calibration $CAL ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

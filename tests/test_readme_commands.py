@@ -115,6 +115,10 @@ SMALLEST: dict[str, list[str]] = {
     "--json reports/serving/paged_int4_fp16.json":
         ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "64",
          "--formats", "fp16,int8,int4,int2", "--json", "paged4.json"],
+    "kvlab bench paged-decode --threads 1 --repeats 5 --block-sizes 64 --formats fp16,kvquant4,kvquant3 "
+    "--kv-calibration reports/real-models/smollm2-135m.kvquant.safetensors --json reports/serving/paged_kvquant_fp16_t1.json":
+        ["kvlab", "bench", "paged-decode", "--repeats", "1", "--rows", "2", "--context", "64", "--block-sizes", "64",
+         "--formats", "fp16,kvquant4,kvquant3", "--json", "pagedq.json"],
     "kvlab bench serve --base-url http://127.0.0.1:8011 --model stories260k --num-prompts 200 --input-len 64 "
     "--output-len 32 --range-ratio 0.5 --max-concurrency 1,8,32 --goodput ttft:100 tpot:20":
         ["kvlab", "bench", "serve", "--base-url", "{server}", "--model", "stories260k", "--num-prompts", "4",

@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"({VLLM_GPU_BLOCK},{DEFAULT_BLOCK_SIZE}: vLLM's GPU default and the engine's)")
     parser.add_argument("--formats", type=c_step_formats, default=DEFAULT_FORMATS,
                         help="pool formats timed at the long context, comma-separated, fp16 first "
-                             "(fp16,int8,fp8; e.g. fp16,int8,int4,int2)")
+                             "(fp16,int8,fp8; e.g. fp16,int8,int4,int2,kvquant4)")
+    parser.add_argument("--kv-calibration", metavar="FILE", default=None,
+                        help="KVQuant codebooks for kvquant3/kvquant4 in --formats (`kvlab calibrate-kv`'s file); "
+                             "default: fitted on random activations, which times the same")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch (and so OpenMP) threads; 1 keeps a loaded shared machine's barriers out of "
                              "the ratio")

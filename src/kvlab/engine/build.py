@@ -140,7 +140,8 @@ def capacity_for(config: EngineConfig, mc, draft, head, speculative, formats, bu
 def c_steps(model, pool: KVPool, draft, draft_pool: Optional[KVPool], config: EngineConfig):
     """(the target's C paged step, the draft's, the draft as it will run): None where the C step does not apply."""
     paged_step = draft_step = None
-    if config.paged_step and not pool.pre_rope:  # the C step reads keys rotated when written
+    # the C step reads keys rotated when written, or a KVQuant pool's pre-RoPE keys (rotated after decoding)
+    if config.paged_step and (not pool.pre_rope or pool.kvquant is not None):
         from kvlab.nn.paged_decode import paged_step_for
         paged_step = paged_step_for(model, pool, config.max_num_seqs)
         if draft is not None and paged_step is not None and draft.packing == "dense" and not draft.config.bias:

@@ -23,6 +23,7 @@ CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.flo
 CACHE_INT8 = 5  # uint8 codes with fp16 scale and zero per group (kvlab.cache.codecs.GroupCodec, 8 bits)
 CACHE_INT4, CACHE_INT2 = 6, 7  # the same with 4- and 2-bit codes packed into bytes as GroupCodec packs them
 CACHE_GROUP_BITS = {8: CACHE_INT8, 4: CACHE_INT4, 2: CACHE_INT2}  # GroupCodec.bits -> CACHE_*
+CACHE_KVQUANT = 8  # KVQuant rows, seats and codebooks (kvlab.cache.kvquant_pool), described by llama_model.kvq
 CHUNK = 128  # tokens per attention work unit
 MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 
@@ -33,7 +34,7 @@ ACTIVATIONS = {"swiglu": 0, "geglu": 1}  # csrc/llama_decode.h's ACT_*
 ATTENTIONS = {"gqa": 0, "mla": 1}  # csrc/llama_decode.h's ATTN_* (kvlab.nn.config.ATTENTION_KINDS)
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
-             "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CHUNK": CHUNK,
+             "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CACHE_KVQUANT": CACHE_KVQUANT, "CHUNK": CHUNK,
              "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
              "PAGED_STEP_ARGS": PAGED_STEP_ARGS, "PAGED_ATTEND_ARGS": PAGED_ATTEND_ARGS,
              "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"],
@@ -79,11 +80,26 @@ class LlamaModel(ctypes.Structure):
                 ("rope_interleaved", _int), ("cache_dtype", _int), ("group_size", _int), ("activation", _int),
                 ("eps", _float), ("query_scale", _float), ("kv_lora_rank", _int), ("qk_nope_dim", _int),
                 ("qk_rope_dim", _int), ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr),
-                ("lm_head", QMatrix)]
+                ("lm_head", QMatrix), ("kvq", _ptr)]
+
+
+class KVQuantLayer(ctypes.Structure):
+    """kvquant.h's kvquant_layer: one layer's KVQuant tensors (kvlab.cache.kvquant_pool.KVQuantPlanes)."""
+    _fields_ = [(name, _ptr) for name in ("k_codes", "k_counts", "v_codes", "v_zero", "v_scale", "v_outliers",
+                                          "v_outlier_index", "k_sink", "v_sink", "k_outliers", "k_outlier_index",
+                                          "k_codebook", "v_codebook", "k_zero", "k_range")]
+
+
+class KVQuantCache(ctypes.Structure):
+    """kvquant.h's kvquant_cache: a KVQuant pool's shape, the step's seats (set before every call) and its layers."""
+    _fields_ = [("bits", _int), ("outlier_percent", _int), ("sinks", _int), ("capacity", _int),
+                ("v_outliers", _int), ("seats", _int), ("max_tokens", _int), ("rope_halves", _int), ("row_seats", _ptr),
+                ("layers", ctypes.POINTER(KVQuantLayer))]
 
 
 MIRRORS: dict[str, type[ctypes.Structure]] = {"qmatrix": QMatrix, "qacts": QActs, "qstack": QStack, "kv_plane": KVPlane,
-                                              "llama_layer": LlamaLayer, "llama_model": LlamaModel}
+                                              "llama_layer": LlamaLayer, "llama_model": LlamaModel,
+                                              "kvquant_layer": KVQuantLayer, "kvquant_cache": KVQuantCache}
 
 
 def abi_table(lib: ctypes.CDLL) -> dict[str, int]:

@@ -42,6 +42,8 @@ def why_not_hybrid(model: Decoder, pool) -> Optional[str]:
         return reason
     if model.config.attention != "gqa":
         return "the hybrid step's C attention takes grouped-query layers (an MLA layer projects inside C)"
+    if getattr(pool, "planes", None) is not None:
+        return "the hybrid step's C attention writes per-token codecs; KIVI and KVQuant pools write in their own layer code"
     return None
 
 
@@ -74,7 +76,8 @@ class HybridDecodeStep(PagedDecodeStep):
     @torch.inference_mode()
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-             inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+             inputs: Optional[torch.Tensor] = None, seats: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # `seats`: PagedDecodeStep's signature; the pools this step takes (why_not_hybrid) keep no per-seat state
         rows, config = int(ids.numel()), self.model.config
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()

@@ -18,6 +18,11 @@ from AVX2's in the last digits (tests hold them to the same tolerance as the mod
 What it writes is what `KVPool.write` writes (the same rounding, the same int8/int4/int2
 codes), so the module path, which stays the reference, can run any later step.
 
+A KVQuant pool (kvquant3/kvquant4: codebook rows in blocks, each seat's sinks and key outliers)
+runs in C too (csrc/kvquant_attend.h, described by kvlab.nn.kvquant_step): the step writes each
+row's pre-RoPE key and value rows as KVQuantPlanes.store does, byte for byte, and rotates keys
+after decoding them; each row's seat comes with the batch.
+
 An MLA model's pool holds one latent row per token (kvlab.cache.pool: kv_heads 1, no values);
 the C step writes each row's latent and RoPE keys there and attends over them absorbed
 (csrc/mla_attend.h), in fp32, fp16, bf16 or fp8 pools.
@@ -47,10 +52,11 @@ import torch
 from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, KVPlane
+from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, CACHE_KVQUANT, KVPlane
 from kvlab.nn.c_model import embed_rows, llama_struct, new_arena, why_not_model
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
+from kvlab.nn.kvquant_step import half_style_tables, kvquant_struct, set_seats, why_not_kvquant
 from kvlab.nn.model import Decoder
 
 ERRORS = {-1: "could not allocate its scratch memory", -2: "was handed a position or block outside the model or pool",
@@ -92,6 +98,8 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
         return "the pool was not built for this model's layers, KV heads and head dim"
     if pool.compute_dtype != torch.float32:
         return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    if pool.kvquant is not None:
+        return why_not_kvquant(pool)
     codes = [_cache_code(codec, config.head_size) for codec in pool.codecs]
     if codes[0] is None or codes[0] != codes[1] or type(pool.codecs[0]) is not type(pool.codecs[1]) \
             or getattr(pool.codecs[0], "group_size", 0) != getattr(pool.codecs[1], "group_size", 0):
@@ -140,6 +148,9 @@ class PagedDecodeStep:
         self._keep = []  # fp8 scale tensors the structs point at
         sides = []
         for layer in range(pool.num_layers):
+            if pool.kvquant is not None:  # described by self._kvq below
+                sides.append((KVPlane(None, None, None, None), KVPlane(None, None, None, None)))
+                continue
             pair = []
             for fields, side_codec in ((pool.k[layer], pool.codecs[0]), (pool.v[layer], pool.codecs[1])):
                 if fields is None:  # an MLA pool: the values are the latent, K's row
@@ -154,8 +165,13 @@ class PagedDecodeStep:
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
         layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
-        self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, pool.k_head_dim),
-                                                  group_size, num_layers, layer_groups)
+        cache_code = CACHE_KVQUANT if pool.kvquant is not None else _cache_code(codec, pool.k_head_dim)
+        self._struct, self._layers = llama_struct(model, sides, cache_code, group_size, num_layers, layer_groups)
+        self._kvq = None
+        if pool.kvquant is not None:
+            self._kvq, kept = kvquant_struct(pool, num_layers, half_style_tables(model))
+            self._keep.extend(kept)
+            self._struct.kvq = ctypes.addressof(self._kvq)
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
@@ -169,11 +185,12 @@ class PagedDecodeStep:
             raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
         if batch.block_size != self.pool.block_size:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
-        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables))
+        seats = torch.tensor(batch.seats) if batch.seats is not None else None
+        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables), seats=seats)
 
     def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list,
               logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-              inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+              inputs: Optional[torch.Tensor] = None, seats: Optional[list[int]] = None) -> torch.Tensor:
         """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order,
         or only for the packed rows `logit_rows` (ascending) when given: [len(logit_rows), V].
 
@@ -182,15 +199,17 @@ class PagedDecodeStep:
         chunk runs here too; blocks must already cover every position. `hidden` (fp32 [rows, dim],
         contiguous) receives every row's final hidden state (after the final norm: what the LM
         head reads). `inputs` (fp32 [rows, dim]) replaces the tokens' embeddings as the rows'
-        input (an EAGLE head's fused features); `feeds` then only give the positions.
+        input (an EAGLE head's fused features); `feeds` then only give the positions. `seats[s]` is
+        sequence s's seat (a KVQuant pool keeps its sinks and key outliers there; other pools ignore it).
         """
         lengths = torch.tensor([len(feed) for feed in feeds])
         ids = torch.tensor([t for feed in feeds for t in feed])
         first = torch.tensor(starts).repeat_interleave(lengths)
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         grouped = block_tables if block_tables and isinstance(block_tables[0][0], list) else [block_tables]
+        row_seats = torch.tensor(seats).repeat_interleave(lengths) if seats is not None else None
         return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows,
-                         hidden, inputs)
+                         hidden, inputs, row_seats)
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] (a pool of one
@@ -199,8 +218,9 @@ class PagedDecodeStep:
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-             inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+             inputs: Optional[torch.Tensor] = None, seats: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows = int(ids.numel())
+        kept_seats = set_seats(self._kvq, seats, rows) if self._kvq is not None else None  # noqa: F841 (alive)
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()
         dim = self.model.config.dim

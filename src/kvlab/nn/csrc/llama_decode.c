@@ -46,6 +46,7 @@ typedef struct {
     float *sub; /* [rows, dim]: a sub-block's output before its post-norm (Gemma) */
     float *lat, *mq; /* MLA (mla_attend.h): each head's attended latent [rows, heads, rank], absorbed queries */
     float *mla_rows; /* MLA: per thread, MLA_SUB cached rows widened to fp32 */
+    int *kvq_off;    /* KVQuant: each attention unit's first slot in its seat's key outliers (kvquant_attend.h) */
     qacts qa; /* the activations of the next product, quantised */
     /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
@@ -587,6 +588,21 @@ static int layout_of(const scratch *s, int window) {
  * (its heads all read one latent row: mla_attend.h). */
 static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
 
+/* One row's query and key heads (qkv's layout) RMS-normed where the layer norms them, then the first
+ * `rotated` of them (queries, then keys) rotated at the row's position `pos`. */
+static void norm_rotate_heads(const llama_model *m, const llama_layer *l, float *heads, int pos, int rotated) {
+    const int d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads;
+    if (l->q_norm)
+        for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
+    if (l->k_norm)
+        for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
+    const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
+    for (int h = 0; h < rotated; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+}
+
+/* KVQuant layers' writes and attention: in their own file, using the helpers above. */
+#include "kvquant_attend.h"
+
 /* A GQA layer's attention for every row from its projected heads s->qkv [rows, (n_heads + 2 n_kv_heads)
  * head_dim] (q/k norms and RoPE applied here, in place): each row's K and V into its block, then
  * s->att [rows, n_heads head_dim] receives the heads' outputs. The fused step's and
@@ -598,12 +614,7 @@ static void gqa_attend_rows(const llama_model *m, const llama_layer *l, const pa
     for (int r = 0; r < rows; r++) { /* q/k norms and RoPE at the row's own position, then its K and V into its block */
         const int pos = v->positions[r];
         float *heads = s->qkv + (size_t)r * width;
-        if (l->q_norm)
-            for (int h = 0; h < hq; h++) rms_norm(heads + h * d, l->q_norm, d, m->eps, heads + h * d);
-        if (l->k_norm)
-            for (int h = hq; h < hq + hkv; h++) rms_norm(heads + h * d, l->k_norm, d, m->eps, heads + h * d);
-        const float *cos = l->rope_cos + (size_t)pos * d, *sin = l->rope_sin + (size_t)pos * d;
-        for (int h = 0; h < hq + hkv; h++) rope(heads + h * d, cos, sin, d, m->rope_interleaved);
+        norm_rotate_heads(m, l, heads, pos, hq + hkv);
         if (packed_rows(m->cache_dtype, d, m->group_size)) /* the order attention reads them in */
             for (int h = 0; h < hq; h++) packed_permute(heads + h * d, m->cache_dtype, d);
         const int32_t block = v->tables[(size_t)r * v->max_blocks + pos / bs];
@@ -650,6 +661,8 @@ static void layer_step(const llama_model *m, const llama_layer *l, const paged_v
     scratch *s = &ls;
     if (l->attention == ATTN_MLA)
         mla_attend_layer(m, l, v, x, s);
+    else if (m->kvq)
+        kvq_attend_layer(m, l, v, x, s);
     else
         gqa_attend_layer(m, l, v, x, s);
     quantize_act(s->att, (size_t)rows * hq * d, &s->qa);
@@ -729,6 +742,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
         mla ? (size_t)rows * m->n_heads * rank * sizeof(float) : 0,
         mla ? (size_t)rows * m->n_heads * mla_query_width(m) * sizeof(float) : 0,
         mla ? (size_t)omp_get_max_threads() * MLA_SUB * mla_row_width(m) * sizeof(float) : 0,
+        m->kvq ? (size_t)units * sizeof(int) : 0,
         (size_t)rows * attn_width * sizeof(int16_t),
         (size_t)rows * (attn_width / QK) * sizeof(float),
         (size_t)rows * (attn_width / QK) * sizeof(float),
@@ -741,6 +755,7 @@ static size_t carve(const llama_model *m, int rows, int units, int all_units, ch
     void **slots[] = {(void **)&s->normed, (void **)&s->qkv, (void **)&s->att, (void **)&s->gate_up,
                       (void **)&s->act, (void **)&s->scores, (void **)&s->part_max, (void **)&s->part_sum,
                       (void **)&s->part_out, (void **)&s->sub, (void **)&s->lat, (void **)&s->mq, (void **)&s->mla_rows,
+                      (void **)&s->kvq_off,
                       (void **)&s->qa.q, (void **)&s->qa.d,
                       (void **)&s->qa.s, (void **)&s->qa.q8, (void **)&s->qa.d8, (void **)&s->qa.e8,
                       (void **)&s->unit_table};
@@ -781,7 +796,12 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
                       int max_blocks, int block_size, int num_blocks) {
     if (rows < 1 || max_blocks < 1 || block_size < 1 || m->n_groups < 1) return -2;
     if (m->n_heads % m->n_kv_heads || m->n_heads / m->n_kv_heads > MAX_GROUP) return -3;
-    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_INT2 || m->head_dim % 8 ||
+    if ((m->cache_dtype == CACHE_KVQUANT) != (m->kvq != NULL)) return -4;
+    if (m->kvq) {
+        const int status = kvq_check_step(m, rows, positions);
+        if (status) return status;
+    }
+    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_KVQUANT || m->head_dim % 8 ||
         (cache_grouped(m->cache_dtype) && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
         (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;
@@ -916,7 +936,7 @@ int llama_paged_attend(const llama_model *m, int layer, int rows, const int32_t 
     if (layer < 0 || layer >= m->n_layers) return -2;
     llama_model one = *m; /* the layer alone: its checks, its window's layout */
     one.n_layers = 1, one.layers = m->layers + layer;
-    if (one.layers->attention != ATTN_GQA || m->kv_lora_rank) return -4;
+    if (one.layers->attention != ATTN_GQA || m->kv_lora_rank || m->kvq) return -4; /* KVQuant writes in its own code */
     int status = check_step(&one, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
     scratch s;

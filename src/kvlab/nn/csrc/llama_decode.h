@@ -9,6 +9,7 @@
 #define KVLAB_LLAMA_DECODE_H
 
 #include "ggml_gemv.h"
+#include "kvquant.h"
 
 /* How the cache stores K/V (kvlab.nn.c_abi.CACHE_DTYPES). Row = one token of one KV head. */
 enum {
@@ -20,11 +21,12 @@ enum {
     CACHE_INT8 = 5,     /* uint8 codes, fp16 scale and zero per group: value = code * scale + zero */
     CACHE_INT4 = 6,     /* as int8 with 4-bit codes, two a byte, the first channel in the low nibble */
     CACHE_INT2 = 7,     /* as int8 with 2-bit codes, four a byte, the first channel in the lowest bits */
+    CACHE_KVQUANT = 8,  /* KVQuant rows, seats and codebooks: llama_model.kvq (kvquant.h, kvquant_attend.h) */
 };
 
 /* The group formats (int8/int4/int2: codes with an fp16 scale and zero per group of channels)
  * share every loop; only how a row's codes are packed differs. */
-static inline int cache_grouped(int dtype) { return dtype >= CACHE_INT8; }
+static inline int cache_grouped(int dtype) { return dtype >= CACHE_INT8 && dtype <= CACHE_INT2; }
 
 static inline int cache_code_bits(int dtype) { return dtype == CACHE_INT4 ? 4 : dtype == CACHE_INT2 ? 2 : 8; }
 
@@ -121,6 +123,7 @@ typedef struct {
     const llama_layer *layers;
     const float *final_norm;
     qmatrix lm_head;
+    const kvquant_cache *kvq; /* CACHE_KVQUANT: the pool's KVQuant tensors and the step's seats; else NULL */
 } llama_model;
 
 /* Scratch memory kept between steps: one block, grown when a step needs more, freed by
