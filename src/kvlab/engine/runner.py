@@ -130,7 +130,7 @@ class ModelRunner:
                 if self.head_proposer is not None:
                     hidden = torch.empty(int(ends[-1]), self.model.config.dim)
                 logits = self.paged_step.feeds(feeds, [seq.num_computed for seq in seqs],
-                                               tables, logit_rows=flat, hidden=hidden)
+                                               tables, logit_rows=flat, hidden=hidden, seats=batch.seats)
             elif self.head_proposer is not None:
                 logits, hidden = self.model(torch.tensor([[t for f in feeds for t in f]]), self.pool, step=batch,
                                             rows=torch.tensor(flat), with_hidden=True)

@@ -18,6 +18,10 @@ from AVX2's in the last digits (tests hold them to the same tolerance as the mod
 What it writes is what `KVPool.write` writes (the same rounding, the same int8/int4/int2
 codes), so the module path, which stays the reference, can run any later step.
 
+A KIVI pool (kivi4, kivi2: quantised tokens in blocks, the newest in an fp32 ring per seat) runs
+in place too (csrc/kivi_attend.h, kvlab.nn.kivi_step): each row also names its sequence's seat,
+and the step stores and reads what KiviPlanes stores and reads.
+
 An MLA model's pool holds one latent row per token (kvlab.cache.pool: kv_heads 1, no values);
 the C step writes each row's latent and RoPE keys there and attends over them absorbed
 (csrc/mla_attend.h), in fp32, fp16, bf16 or fp8 pools.
@@ -47,8 +51,9 @@ import torch
 from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, KVPlane
+from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, CACHE_KIVI_BITS, KVPlane
 from kvlab.nn.c_model import embed_rows, llama_struct, new_arena, why_not_model
+from kvlab.nn.kivi_step import kivi_rows, kivi_sides, why_not_kivi
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
 from kvlab.nn.model import Decoder
@@ -78,7 +83,7 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
     if pool.kivi is not None:
-        return "the C step reads K/V heads stored per token (not KIVI)"
+        return why_not_kivi(config, pool)
     if pool.is_latent != (config.attention == "mla"):
         return "the pool's rows are not this model's (MLA latents for an MLA model, K/V heads otherwise)"
     if pool.is_latent:
@@ -138,8 +143,8 @@ class PagedDecodeStep:
         self.model, self.pool, self.max_rows = model, pool, max_rows
         heads, codec = pool.kv_heads, pool.codecs[0]
         self._keep = []  # fp8 scale tensors the structs point at
-        sides = []
-        for layer in range(pool.num_layers):
+        sides = kivi_sides(pool) if pool.kivi is not None else []
+        for layer in range(pool.num_layers if pool.kivi is None else 0):
             pair = []
             for fields, side_codec in ((pool.k[layer], pool.codecs[0]), (pool.v[layer], pool.codecs[1])):
                 if fields is None:  # an MLA pool: the values are the latent, K's row
@@ -153,9 +158,13 @@ class PagedDecodeStep:
                                     address(scales)))
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
+        code = _cache_code(codec, pool.k_head_dim) if codec is not None else None
+        if pool.kivi is not None:
+            code, group_size = CACHE_KIVI_BITS[pool.kv_format.bits], pool.kv_format.group_size
         layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
-        self._struct, self._layers = llama_struct(model, sides, _cache_code(codec, pool.k_head_dim),
-                                                  group_size, num_layers, layer_groups)
+        self._struct, self._layers = llama_struct(model, sides, code, group_size, num_layers, layer_groups)
+        if pool.kivi is not None:
+            self._struct.kivi_residual, self._struct.kivi_seats = pool.kv_format.residual, pool.seats
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
@@ -169,11 +178,12 @@ class PagedDecodeStep:
             raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
         if batch.block_size != self.pool.block_size:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
-        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables))
+        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables),
+                         seats=(batch.positions.tolist(), [1] * rows, batch.seats))
 
     def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list,
               logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-              inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+              inputs: Optional[torch.Tensor] = None, seats: Optional[list[int]] = None) -> torch.Tensor:
         """Sequence s feeds tokens feeds[s] at positions starts[s]..: logits [sum of lengths, V], packed in order,
         or only for the packed rows `logit_rows` (ascending) when given: [len(logit_rows), V].
 
@@ -182,7 +192,8 @@ class PagedDecodeStep:
         chunk runs here too; blocks must already cover every position. `hidden` (fp32 [rows, dim],
         contiguous) receives every row's final hidden state (after the final norm: what the LM
         head reads). `inputs` (fp32 [rows, dim]) replaces the tokens' embeddings as the rows'
-        input (an EAGLE head's fused features); `feeds` then only give the positions.
+        input (an EAGLE head's fused features); `feeds` then only give the positions. `seats` are the
+        sequences' seats in a KIVI pool (by default 0, 1, ...).
         """
         lengths = torch.tensor([len(feed) for feed in feeds])
         ids = torch.tensor([t for feed in feeds for t in feed])
@@ -190,17 +201,23 @@ class PagedDecodeStep:
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         grouped = block_tables if block_tables and isinstance(block_tables[0][0], list) else [block_tables]
         return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows,
-                         hidden, inputs)
+                         hidden, inputs, (starts, lengths.tolist(), seats or list(range(len(feeds)))))
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] (a pool of one
         KV group) -> logits [R, V]."""
-        return self._run(ids, positions, _padded([block_tables]))
+        rows = int(ids.numel())
+        return self._run(ids, positions, _padded([block_tables]), seats=(positions.tolist(), [1] * rows,
+                                                                         list(range(rows))))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-             inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
+             inputs: Optional[torch.Tensor] = None, seats: Optional[tuple] = None) -> torch.Tensor:
+        """`seats`: the sequences' (starts, lengths, seats), which a KIVI pool's rows need (kivi_rows)."""
         rows = int(ids.numel())
+        if self.pool.kivi is not None:  # read by the C step during this call only
+            kivi = kivi_rows(self.pool, *seats)
+            self._struct.kivi_rows = kivi.data_ptr()
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()
         dim = self.model.config.dim
