@@ -96,43 +96,122 @@ static void kivi_store_layer(const llama_model *m, const llama_layer *l, const p
     }
 }
 
+/* x [d] in natural channel order -> y in packed_order (d a multiple of the word's W channels), by
+ * shuffles: plane k of a word is lanes m = 0..7 holding channel P m + k (int4: the even channels, then
+ * the odd; int2: every fourth). A scalar or gathered permutation per key group cost a tenth of the step. */
+static inline __attribute__((always_inline)) void planes_permute(const float *x, float *y, int d, const int dtype) {
+    if (dtype == CACHE_INT4) {
+        const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+        for (int w = 0; w < d; w += 16) {
+            const __m256 a = _mm256_loadu_ps(x + w), b = _mm256_loadu_ps(x + w + 8);
+            _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), order));
+            _mm256_storeu_ps(y + w + 8, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), order));
+        }
+        return;
+    }
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int w = 0; w < d; w += 32) {
+        const __m256 a = _mm256_loadu_ps(x + w), b = _mm256_loadu_ps(x + w + 8);
+        const __m256 c = _mm256_loadu_ps(x + w + 16), e = _mm256_loadu_ps(x + w + 24);
+        const __m256 ab02 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), ce02 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 ab13 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), ce13 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(2, 0, 2, 0)), order));
+        _mm256_storeu_ps(y + w + 8, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(2, 0, 2, 0)), order));
+        _mm256_storeu_ps(y + w + 16, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(3, 1, 3, 1)), order));
+        _mm256_storeu_ps(y + w + 24, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(3, 1, 3, 1)), order));
+    }
+}
+
+/* The chunk's quantised rows' value scales and zeros, every group, once per unit: v_meta[f][g CHUNK + t]
+ * (f 0 the scale, 1 the zero), zero-padded to a multiple of 8 rows. Rows run consecutively within a
+ * block (`runs`), so one or two groups a row convert 8 rows at once (two: 16 halves, then their even or
+ * odd lanes); more groups, one by one. */
+static void kivi_value_meta(const llama_layer *l, const chunk_rows *c, int nq, const int *runs, int n_runs,
+                            float *v_meta) {
+    const int groups = c->groups;
+    const uint16_t *from[2] = {l->v.scale, l->v.zero};
+    for (int f = 0; f < 2; f++) {
+        float *to = v_meta + (size_t)f * groups * CHUNK;
+        for (int r = 0, t = 0; r < n_runs; t += runs[r], r++) {
+            int u = t;
+            for (; groups <= 2 && u + 8 <= t + runs[r]; u += 8) {
+                const uint16_t *at = from[f] + c->slots[u] * groups;
+                const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));
+                if (groups == 1) {
+                    _mm256_storeu_ps(to + u, lo);
+                    continue;
+                }
+                const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 8)));
+                for (int g = 0; g < 2; g++) {
+                    const __m256 pick = g ? _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1))
+                                          : _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+                    _mm256_storeu_ps(to + g * CHUNK + u, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                                             _mm256_castps_pd(pick), _MM_SHUFFLE(3, 1, 2, 0))));
+                }
+            }
+            for (; u < t + runs[r]; u++)
+                for (int g = 0; g < groups; g++) to[g * CHUNK + u] = half_at(from[f], c->slots[u] * groups + g);
+        }
+        for (int g = 0; g < groups; g++)
+            for (int u = nq; u % 8; u++) to[g * CHUNK + u] = 0.0f;
+    }
+}
+
 /* GH query heads of one KV head over one chunk: its first nq tokens quantised (c->at, slots in the
  * blocks), the rest ring rows (slots into the ring); scores, softmax partials and the weighted values
- * as attend_heads leaves them (out in channel order). */
+ * as attend_heads leaves them (out in channel order). `dtype` is the codes' layout (CACHE_INT4/2). */
 static inline __attribute__((always_inline)) void kivi_heads(const llama_model *m, const llama_layer *l,
                                                             chunk_rows *c, int nq, int start, const int32_t *table,
                                                             int kvh, int bs, const float *q, float *scores,
                                                             float k_factor, float *part_max, float *part_sum,
-                                                            float *out, const int GH) {
-    const int d = c->d, G = m->group_size, hkv = m->n_kv_heads, len = c->len, dtype = kivi_codes(m->cache_dtype);
-    const int TB = GH == 1 ? 4 : GH <= 3 ? 3 : 2, TF = GH <= 3 ? 4 : 3; /* keys a pass: packed codes, fp32 ring */
-    float qs[4 * d], part[4 * CHUNK];
+                                                            float *out, const float *v_meta, const int dtype,
+                                                            const int GH) {
+    const int d = c->d, G = m->group_size, hkv = m->n_kv_heads, len = c->len, packed = c->packed;
+    /* keys a pass, fixed at compile time so the accumulators stay in registers (as attend_heads') */
+    const int TBP = GH == 1 ? 4 : GH <= 3 ? 3 : 2, TB = GH <= 3 ? 4 : 3;
+    float qs[4 * d], natural[d], ks[d], kz[d], part[4 * CHUNK];
+    float qp[4 * d]; /* the query heads in the key loop's channel order */
+    if (packed)
+        for (int h = 0; h < GH; h++) planes_permute(q + h * d, qp + h * d, d, dtype);
+    else
+        memcpy(qp, q, sizeof(float) * GH * d);
     int t;
     for (t = 0; t < nq;) { /* key group by key group: (q s) and q . z for its tokens */
         const int p = start + t, run = (p / G + 1) * G - p < nq - t ? (p / G + 1) * G - p : nq - t;
         const size_t meta = (((size_t)table[p / bs] * hkv + kvh) * (bs / G) + p % bs / G) * d;
+        for (int i = 0; i < d; i += 8) { /* the scales in the key loop's order; the zeros meet q in channel order */
+            _mm256_storeu_ps(natural + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l->k.scale + meta + i))));
+            _mm256_storeu_ps(kz + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l->k.zero + meta + i))));
+        }
+        if (packed)
+            planes_permute(natural, ks, d, dtype);
+        else
+            memcpy(ks, natural, sizeof(float) * d);
         float zq[4];
         for (int h = 0; h < GH; h++) {
             __m256 zs = _mm256_setzero_ps();
             for (int i = 0; i < d; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + h * d + i);
-                const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l->k.scale + meta + i)));
-                const __m256 zr = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(l->k.zero + meta + i)));
-                _mm256_storeu_ps(qs + h * d + i, _mm256_mul_ps(qv, sc));
-                zs = _mm256_fmadd_ps(qv, zr, zs);
+                _mm256_storeu_ps(qs + h * d + i, _mm256_mul_ps(_mm256_loadu_ps(qp + h * d + i), _mm256_loadu_ps(ks + i)));
+                zs = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), _mm256_loadu_ps(kz + i), zs);
             }
             zq[h] = hsum(zs);
-            if (c->packed) packed_permute(qs + h * d, dtype, d);
         }
         int u = t;
-        for (; u + TB <= t + run; u += TB) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, TB);
+        if (packed)
+            for (; u + TBP <= t + run; u += TBP) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, TBP);
+        else
+            for (; u + TB <= t + run; u += TB) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, TB);
         for (; u < t + run; u++) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, 1);
-        for (int h = 0; h < GH; h++)
-            for (u = t; u < t + run; u++) scores[h * CHUNK + u] += zq[h];
+        for (int h = 0; h < GH; h++) {
+            const __m256 z = _mm256_set1_ps(zq[h]);
+            for (u = t; u + 8 <= t + run; u += 8)
+                _mm256_storeu_ps(scores + h * CHUNK + u, _mm256_add_ps(_mm256_loadu_ps(scores + h * CHUNK + u), z));
+            for (; u < t + run; u++) scores[h * CHUNK + u] += zq[h];
+        }
         t += run;
     }
     const kv_plane k_ring = {l->k.ring, NULL, NULL, NULL, NULL};
-    for (; t + TF <= len; t += TF) key_dots(&k_ring, CACHE_F32, c, q, 0, d, t, scores, GH, TF);
+    for (; t + TB <= len; t += TB) key_dots(&k_ring, CACHE_F32, c, q, 0, d, t, scores, GH, TB);
     for (; t < len; t++) key_dots(&k_ring, CACHE_F32, c, q, 0, d, t, scores, GH, 1);
     const __m256 kf = _mm256_set1_ps(k_factor);
     for (int h = 0; h < GH; h++) { /* each head's softmax partials, exp'd in place (as attend_heads) */
@@ -150,28 +229,28 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
         }
         total = hsum(sum);
         for (; t < len; t++) total += sh[t] = expf(sh[t] - top);
+        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the value groups' passes below */
         part_max[h] = top, part_sum[h] = total;
     }
     if (nq > 0) { /* the quantised values, group by group of channels: scales folded into the weights */
         const int P = 8 / cache_code_bits(dtype), W = 8 * P, V = GH == 1 ? 8 : GH == 2 ? 4 : 2;
-        const int groups = c->groups, gsize = c->gsize;
+        const int NV = GH == 1 ? 8 : GH == 2 ? 4 : 2, groups = c->groups, gsize = c->gsize;
         float offset[4];
-        c->len = nq; /* packed_value_sums runs over the quantised tokens alone */
+        c->len = nq; /* the value loops run over the quantised tokens alone */
         for (int g = 0; g < groups; g++) {
             const int lo = g * gsize, hi = lo + gsize < d ? lo + gsize : d;
-            for (int h = 0; h < GH; h++) offset[h] = 0.0f;
-            for (t = 0; t < nq; t++) {
-                const float vs = f16_to_f32(l->v.scale[c->slots[t] * groups + g]);
-                const float vz = f16_to_f32(l->v.zero[c->slots[t] * groups + g]);
-                for (int h = 0; h < GH; h++) {
-                    const float p = scores[h * CHUNK + t];
-                    part[h * CHUNK + t] = p * vs;
-                    offset[h] += p * vz;
+            const float *v_scale = v_meta + (size_t)g * CHUNK, *v_zero = v_meta + (size_t)(groups + g) * CHUNK;
+            for (int h = 0; h < GH; h++) {
+                __m256 share = _mm256_setzero_ps();
+                for (t = 0; t < nq; t += 8) { /* past nq the scale and zero are 0: ring weights drop out */
+                    const __m256 w = _mm256_loadu_ps(scores + h * CHUNK + t);
+                    share = _mm256_fmadd_ps(w, _mm256_loadu_ps(v_zero + t), share);
+                    _mm256_storeu_ps(part + h * CHUNK + t, _mm256_mul_ps(w, _mm256_loadu_ps(v_scale + t)));
                 }
+                offset[h] = hsum(share);
             }
             int i = lo;
-            if (!c->packed) { /* codes widened lane by lane (rows or groups not whole words) */
-                const int NV = GH == 1 ? 8 : GH == 2 ? 4 : 2;
+            if (!packed) { /* codes widened lane by lane (rows or groups not whole words) */
                 for (; i + 8 * NV <= hi; i += 8 * NV) value_sums(&l->v, dtype, c, part, i, offset, 1.0f, out, GH, NV);
                 for (; i < hi; i += 8) value_sums(&l->v, dtype, c, part, i, offset, 1.0f, out, GH, 1);
             } else if (V >= P) {
@@ -188,21 +267,34 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
     } else {
         memset(out, 0, (size_t)GH * d * sizeof(float));
     }
-    for (t = nq; t < len; t++) { /* the ring's values, added in fp32 */
-        const float *row = l->v.ring + c->slots[t] * d;
-        for (int h = 0; h < GH; h++) {
-            const __m256 w = _mm256_set1_ps(scores[h * CHUNK + t]);
-            for (int i = 0; i < d; i += 8)
-                _mm256_storeu_ps(out + h * d + i,
-                                 _mm256_fmadd_ps(w, _mm256_loadu_ps(row + i), _mm256_loadu_ps(out + h * d + i)));
+    if (nq < len) /* the ring's values, added in fp32, two vectors of each head's channels a pass */
+        for (int i = 0; i < d; i += 16) {
+            const int two = i + 16 <= d;
+            __m256 acc[4][2];
+            for (int h = 0; h < GH; h++)
+                acc[h][0] = _mm256_loadu_ps(out + h * d + i), acc[h][1] = two ? _mm256_loadu_ps(out + h * d + i + 8) : acc[h][0];
+            for (t = nq; t < len; t++) {
+                const float *row = l->v.ring + c->slots[t] * d + i;
+                const __m256 x0 = _mm256_loadu_ps(row), x1 = two ? _mm256_loadu_ps(row + 8) : x0;
+                for (int h = 0; h < GH; h++) {
+                    const __m256 w = _mm256_broadcast_ss(scores + h * CHUNK + t);
+                    acc[h][0] = _mm256_fmadd_ps(w, x0, acc[h][0]);
+                    acc[h][1] = _mm256_fmadd_ps(w, x1, acc[h][1]);
+                }
+            }
+            for (int h = 0; h < GH; h++) {
+                _mm256_storeu_ps(out + h * d + i, acc[h][0]);
+                if (two) _mm256_storeu_ps(out + h * d + i + 8, acc[h][1]);
+            }
         }
-    }
 }
 
 /* One attention unit (row, KV head, chunk) of a KIVI layer: attend_chunk's work split, its partials
- * where combine_heads merges them. */
-static void kivi_attend_unit(const llama_model *m, const llama_layer *l, const paged_view *v, int unit,
-                             const float *qkv, int width, scratch *s) {
+ * where combine_heads merges them. Inlined once per codes layout (kivi_attend_unit), so the planes'
+ * shifts and masks are constants. */
+static inline __attribute__((always_inline)) void kivi_attend_chunk(const llama_model *m, const llama_layer *l,
+                                                                   const paged_view *v, int unit, const float *qkv,
+                                                                   int width, scratch *s, const int dtype) {
     const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
     const int G = m->group_size, ring = m->kivi_residual + G, L = s->layout;
     const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = chunks_at(pos, 0);
@@ -211,13 +303,15 @@ static void kivi_attend_unit(const llama_model *m, const llama_layer *l, const p
     const int seat = m->kivi_rows[2 * r], quantised = m->kivi_rows[2 * r + 1];
     const int nq = quantised <= start ? 0 : quantised >= end ? end - start : quantised - start;
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
-    const size_t rb = (size_t)d * cache_code_bits(m->cache_dtype) / 8;
+    const size_t rb = row_bytes(dtype, d);
     chunk_rows c;
     c.len = end - start, c.d = d, c.gsize = G < d ? G : d, c.groups = (d + c.gsize - 1) / c.gsize;
-    c.integer = 0, c.packed = packed_rows(kivi_codes(m->cache_dtype), d, G), c.tables = 0;
+    c.integer = 0, c.packed = packed_rows(dtype, d, G), c.tables = 0;
+    int runs[CHUNK], n_runs = 0; /* the quantised rows' runs of consecutive rows, one per block */
     for (int t = start, at = 0; t < start + nq;) { /* block by block, as attend_chunk */
         const size_t base = ((size_t)table[t / bs] * hkv + kvh) * bs;
         const int offset = t % bs, run = bs - offset < start + nq - t ? bs - offset : start + nq - t;
+        runs[n_runs++] = run;
         for (int u = 0; u < run; u++, at++) {
             c.slots[at] = base + offset + u;
             c.at[at] = c.slots[at] * rb;
@@ -229,6 +323,8 @@ static void kivi_attend_unit(const llama_model *m, const llama_layer *l, const p
         t += run;
     }
     for (int t = start + nq; t < end; t++) c.slots[t - start] = ((size_t)seat * hkv + kvh) * ring + t % ring;
+    float v_meta[2 * c.groups * CHUNK];
+    if (nq) kivi_value_meta(l, &c, nq, runs, n_runs, v_meta);
     const float scale = m->query_scale > 0.0f ? m->query_scale : 1.0f / sqrtf((float)d);
     const float *q = qkv + (size_t)r * width + (size_t)kvh * group * d;
     for (int h = 0; h < group;) {
@@ -236,9 +332,17 @@ static void kivi_attend_unit(const llama_model *m, const llama_layer *l, const p
         const size_t at = (size_t)unit * group + h;
         float *scores = s->scores + at * CHUNK, *out = s->part_out + at * d;
         FOR_HEAD_PACK(pack, kivi_heads, m, l, &c, nq, start, table, kvh, bs, q + (size_t)h * d, scores, scale,
-                      s->part_max + at, s->part_sum + at, out)
+                      s->part_max + at, s->part_sum + at, out, v_meta, dtype)
         h += pack;
     }
+}
+
+static void kivi_attend_unit(const llama_model *m, const llama_layer *l, const paged_view *v, int unit,
+                             const float *qkv, int width, scratch *s) {
+    if (m->cache_dtype == CACHE_KIVI4)
+        kivi_attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT4);
+    else
+        kivi_attend_chunk(m, l, v, unit, qkv, width, s, CACHE_INT2);
 }
 
 /* A KIVI model's descriptor and this step's rows, checked before any step: 0, -2 for rows whose seats,
