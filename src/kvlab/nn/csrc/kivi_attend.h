@@ -201,6 +201,8 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
             for (; u + TBP <= t + run; u += TBP) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, TBP);
         else
             for (; u + TB <= t + run; u += TB) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, TB);
+        if (u + 2 <= t + run) /* a group's last two keys together (32 = 3 x 10 + 2) */
+            key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, 2), u += 2;
         for (; u < t + run; u++) key_dots(&l->k, dtype, c, qs, 0, d, u, scores, GH, 1);
         for (int h = 0; h < GH; h++) {
             const __m256 z = _mm256_set1_ps(zq[h]);
