@@ -94,10 +94,12 @@ def kivi_pool(model, name: str, group: int, residual: int, block_size: int, bloc
                             seats=seats)
 
 
-# (model, G): 16-channel heads read lane by lane; 64-channel heads in groups of 32 as planes of whole words
+# (model, G): 16-channel heads read lane by lane; 64-channel heads in groups of 32 as planes of whole words;
+# six query heads to a KV head in packs of four and two
 SHAPES = [(LONG, 8), (LONG.with_kv_heads(1), 8),
           (ModelConfig(**{**LONG.to_dict(), "dim": 128, "n_heads": 4, "n_kv_heads": 2, "name": "d32"}), 16),
-          (ModelConfig(**{**LONG.to_dict(), "dim": 128, "n_heads": 2, "n_kv_heads": 1, "name": "d64"}), 32)]
+          (ModelConfig(**{**LONG.to_dict(), "dim": 128, "n_heads": 2, "n_kv_heads": 1, "name": "d64"}), 32),
+          (ModelConfig(**{**LONG.to_dict(), "dim": 96, "n_heads": 6, "n_kv_heads": 1, "name": "packs4+2"}), 8)]
 
 
 @pytest.mark.parametrize("name", ["kivi4", "kivi2"])
