@@ -103,7 +103,8 @@ SHAPES = [(LONG, 8), (LONG.with_kv_heads(1), 8),
 
 
 @pytest.mark.parametrize("name", ["kivi4", "kivi2"])
-@pytest.mark.parametrize("config,group", SHAPES, ids=lambda c: f"{c.name}-kv{c.kv_heads}" if hasattr(c, "name") else f"g{c}")
+@pytest.mark.parametrize("config,group", SHAPES,
+                         ids=lambda c: f"{c.name}-kv{c.kv_heads}" if hasattr(c, "name") else f"g{c}")
 def test_c_steps_equal_module_steps(name, config, group):
     """A prompt chunk per sequence (several groups quantised in one call), then decode steps that
     cross group boundaries and wrap the rings, each from the module path's copy of the C step's pool:

@@ -42,7 +42,8 @@ static void kivi_store_head(const kv_plane *k, const kv_plane *v, int bits, int 
     const int ring = R + G, first = kivi_quantised(start, G, R), last = kivi_quantised(end, G, R);
     const int per = 8 / bits, mask = (1 << bits) - 1, vgroups = (d + G - 1) / G;
     const size_t rb = (size_t)d * bits / 8;
-    float *k_ring = k->ring + ((size_t)seat * hkv + h) * ring * d, *v_ring = v->ring + ((size_t)seat * hkv + h) * ring * d;
+    const size_t seat_rows = ((size_t)seat * hkv + h) * ring * d;
+    float *k_ring = k->ring + seat_rows, *v_ring = v->ring + seat_rows;
     for (int gp = first; gp < last; gp += G) { /* whole groups that fell R back: from the ring, then the new rows */
         const float *keys[KIVI_MAX_GROUP], *values[KIVI_MAX_GROUP];
         for (int t = 0; t < G; t++) {
@@ -104,8 +105,10 @@ static inline __attribute__((always_inline)) void planes_permute(const float *x,
         const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
         for (int w = 0; w < d; w += 16) {
             const __m256 a = _mm256_loadu_ps(x + w), b = _mm256_loadu_ps(x + w + 8);
-            _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), order));
-            _mm256_storeu_ps(y + w + 8, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), order));
+            _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                                             order));
+            _mm256_storeu_ps(y + w + 8,
+                             _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), order));
         }
         return;
     }
@@ -113,12 +116,19 @@ static inline __attribute__((always_inline)) void planes_permute(const float *x,
     for (int w = 0; w < d; w += 32) {
         const __m256 a = _mm256_loadu_ps(x + w), b = _mm256_loadu_ps(x + w + 8);
         const __m256 c = _mm256_loadu_ps(x + w + 16), e = _mm256_loadu_ps(x + w + 24);
-        const __m256 ab02 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), ce02 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(2, 0, 2, 0));
-        const __m256 ab13 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), ce13 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(3, 1, 3, 1));
-        _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(2, 0, 2, 0)), order));
-        _mm256_storeu_ps(y + w + 8, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(2, 0, 2, 0)), order));
-        _mm256_storeu_ps(y + w + 16, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(3, 1, 3, 1)), order));
-        _mm256_storeu_ps(y + w + 24, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(3, 1, 3, 1)), order));
+        const __m256 ab02 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 ce02 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 ab13 = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+        const __m256 ce13 = _mm256_shuffle_ps(c, e, _MM_SHUFFLE(3, 1, 3, 1));
+        /* p0: channels 0, 8, 16, 24 | 4, 12, 20, 28, which `order` puts in place; p1 .. p3 likewise */
+        const __m256 p0 = _mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 p1 = _mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m256 p2 = _mm256_shuffle_ps(ab02, ce02, _MM_SHUFFLE(3, 1, 3, 1));
+        const __m256 p3 = _mm256_shuffle_ps(ab13, ce13, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm256_storeu_ps(y + w, _mm256_permutevar8x32_ps(p0, order));
+        _mm256_storeu_ps(y + w + 8, _mm256_permutevar8x32_ps(p1, order));
+        _mm256_storeu_ps(y + w + 16, _mm256_permutevar8x32_ps(p2, order));
+        _mm256_storeu_ps(y + w + 24, _mm256_permutevar8x32_ps(p3, order));
     }
 }
 
@@ -191,7 +201,8 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
         for (int h = 0; h < GH; h++) {
             __m256 zs = _mm256_setzero_ps();
             for (int i = 0; i < d; i += 8) {
-                _mm256_storeu_ps(qs + h * d + i, _mm256_mul_ps(_mm256_loadu_ps(qp + h * d + i), _mm256_loadu_ps(ks + i)));
+                const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(qp + h * d + i), _mm256_loadu_ps(ks + i));
+                _mm256_storeu_ps(qs + h * d + i, scaled);
                 zs = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), _mm256_loadu_ps(kz + i), zs);
             }
             zq[h] = hsum(zs);
@@ -273,8 +284,10 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
         for (int i = 0; i < d; i += 16) {
             const int two = i + 16 <= d;
             __m256 acc[4][2];
-            for (int h = 0; h < GH; h++)
-                acc[h][0] = _mm256_loadu_ps(out + h * d + i), acc[h][1] = two ? _mm256_loadu_ps(out + h * d + i + 8) : acc[h][0];
+            for (int h = 0; h < GH; h++) {
+                acc[h][0] = _mm256_loadu_ps(out + h * d + i);
+                acc[h][1] = two ? _mm256_loadu_ps(out + h * d + i + 8) : acc[h][0];
+            }
             for (t = nq; t < len; t++) {
                 const float *row = l->v.ring + c->slots[t] * d + i;
                 const __m256 x0 = _mm256_loadu_ps(row), x1 = two ? _mm256_loadu_ps(row + 8) : x0;
