@@ -24,6 +24,8 @@
 #   plain               plain requests against the server before vLLM's request fields (BASE, a commit)
 #   int4                the C step's int4/int2 pools against fp16 and int8 at 16 rows x 4,096 tokens (kvlab bench
 #                       paged-decode), and kvlab measure at a 2,048-token prompt, fp16 and int4 taking turns; one thread
+#   kivi                the C step's kivi4/kivi2 pools against fp16 and int4 at 16 rows x 4,096 tokens, one and two
+#                       threads, and kvlab measure at a 2,048-token prompt, fp16 and kivi4 taking turns; one thread
 # vLLM needs its venv (scripts/setup_vllm_venv.sh); a missing peer is skipped and the README says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -119,6 +121,15 @@ for piece in $PIECES; do
         "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_kvquant4_fp16.json" --formats fp16,kvquant4 \
             --rounds 2 --what "kvlab measure at a 2,048-token prompt, fp16 against kvquant4 pools, two rounds taking turns, one thread" \
             -- "$MODEL" --threads 1 --prompt-len 2048 --new-tokens 64 --kv-calibration $CAL ;;
+    kivi)  # not in the default PIECES: run it as PIECES=kivi (the README's KIVI paragraph quotes it)
+        for threads in 1 2; do
+            suffix=$([ "$threads" = 1 ] && echo "" || echo "_threads$threads")
+            "${LOCK[@]}" "${KVLAB[@]}" bench paged-decode --threads "$threads" --repeats 11 --block-sizes 64 \
+                --formats fp16,int4,kivi4,kivi2 --json "$OUT/paged_kivi_fp16$suffix.json"
+        done
+        "${LOCK[@]}" python3 scripts/measure_rounds.py "$OUT/measure_kivi_fp16.json" --formats fp16,kivi4 --rounds 2 \
+            --what "kvlab measure at a 2,048-token prompt, fp16 against kivi4 pools, two rounds taking turns, one thread" \
+            -- "$MODEL" --threads 1 --prompt-len 2048 --new-tokens 64 ;;
     *) echo "unknown piece $piece" >&2; exit 2 ;;
     esac
 done

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine_helpers import assert_pool_free, collect, first_divergence_is_a_tie, greedy, make_engine, run_all
 from kvlab.nn.config import ModelConfig
@@ -107,3 +108,30 @@ def test_a_sliding_window_model_in_c_equals_the_module_path(kv_cache_dtype):
                                         max_num_batched_tokens=8, kv_cache_memory=2_000_000)
     assert any(group.windowed for group in engine.pool.groups)
     assert_same_tokens(model, work, module, fused, kv_cache_dtype)
+
+
+KIVI_LLAMA = ModelConfig(**{**LLAMA.to_dict(), "max_seq_len": 512, "name": "gqa3-512"})
+KIVI_MEMORY = {"kivi4": 434_000, "kivi2": 411_000}  # 15 blocks of 32 tokens and three seats' rings: 480 tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["kivi4", "kivi2"])
+def test_a_kivi_pool_in_c_equals_the_module_path(kv_cache_dtype):
+    """KIVI's groups of 32 tokens quantised once they lie 128 back (csrc/kivi_attend.h), the newest in each
+    seat's ring: prompts of up to 230 tokens in chunks of 64 (groups quantised from the ring and a chunk
+    at once), decodes that quantise more, requests joining mid-flight and preempted (their seats and
+    rings handed on), prefix caching asked for and left off (a prefix's residual sits in a seat)."""
+    needs_kernels()
+    model = ggml_model(KIVI_LLAMA)
+    generator = torch.Generator().manual_seed(7)
+    lengths = [230, 150, 40, 170]
+    prompts = [torch.randint(1, KIVI_LLAMA.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    prompts[3][:100] = prompts[0][:100]  # a shared prefix, which a KIVI pool does not share
+    work = list(zip(prompts, [60, 45, 150, 50]))
+    module, fused, engine = serve_twice(model, work, kv_cache_dtype=kv_cache_dtype, block_size=32,
+                                        max_num_batched_tokens=64, enable_prefix_caching=True, max_num_seqs=3,
+                                        kv_cache_memory=KIVI_MEMORY[kv_cache_dtype])
+    assert engine.pool.kivi is not None and engine.runner.paged_step is not None and engine.blocks.num_blocks == 15
+    assert_same_tokens(model, work, module, fused, kv_cache_dtype)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.prefix_hits == 0
+    assert sorted(engine.blocks.free_seats) == [0, 1, 2]

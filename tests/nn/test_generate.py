@@ -80,8 +80,8 @@ def test_rows_too_long_for_their_capacity_are_refused():
 
 
 def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
-    """The lab's cache is the engine's pool in every format; the paged C step reads the per-token
-    ones it has kernels for, and generates what the module path does."""
+    """The lab's cache is the engine's pool in every format; the paged C step reads the ones it has
+    kernels for (per-token formats and KIVI's blocks and residual), and generates what the module path does."""
     from kvlab.cache.pooled_rows import PooledRows
     from kvlab.nn.generate import cache_for_generation
 
@@ -92,7 +92,7 @@ def test_every_pool_format_generates_and_the_c_step_takes_what_it_reads():
     decoder = ggml_model(GQA)
     prompt = [3, 1, 4, 1, 5]
     for dtype, in_c in (("int8", True), ("fp8", True), ("fp16", True), ("int4", True), ("int2", True),
-                        ("kivi4", False)):
+                        ("kivi4", True), ("kivi2", True)):
         cache = cache_for_generation(decoder, 1, len(prompt) + 11, dtype)
         assert isinstance(cache, PooledRows)
         stats: dict = {}

@@ -310,7 +310,8 @@ def test_a_bad_block_or_batch_is_refused_not_overrun():
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int8", group_size=12)), "multiple of 8"),
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int4", group_size=12)), "not int4"),
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "int2", group_size=4)), "not int2"),
-    (lambda model: (model, KVPool.for_model(model.config, 8, 32, "kivi4", seats=2)), "not KIVI"),
+    (lambda model: (model, KVPool.for_model(model.config, 8, 24, "kivi4", seats=2, group_size=12, residual=12)),
+     "groups of a multiple of 8"),
     (lambda model: (model, KVPool.for_model(model.config, 8, BLOCK, "fp16", torch.float16)), "fp32 values"),
     (lambda model: (model, KVPool.for_model(LONG.with_kv_heads(1), 8, BLOCK)), "KV heads and head dim"),
     (lambda model: (model, model.new_cache(1, 8)), "KVPool"),
@@ -324,7 +325,7 @@ def test_what_cannot_run_in_c_says_why(change, reason):
         PagedDecodeStep(model, pool, 4)
 
 
-@pytest.mark.parametrize("field,value", [("cache_dtype", 8), ("cache_dtype", -1), ("group_size", 12),
+@pytest.mark.parametrize("field,value", [("cache_dtype", 10), ("cache_dtype", -1), ("group_size", 12),
                                          ("group_size", 0)])
 def test_a_wrong_cache_descriptor_is_refused_by_the_c_side(field, value):
     """The C step checks the format code and group size it is handed (-4) before touching the pool:
@@ -389,7 +390,7 @@ def test_the_library_matches_its_ctypes_mirrors(kernels_lib):
 
 
 def test_a_drifted_mirror_is_named():
-    class Shifted(ctypes.Structure):  # kv_plane without its fp8 scales: later llama_layer fields would shift
+    class Shifted(ctypes.Structure):  # kv_plane without its last field: later llama_layer fields would shift
         _fields_ = KVPlane._fields_[:-1]
 
     class Swapped(ctypes.Structure):
@@ -398,7 +399,7 @@ def test_a_drifted_mirror_is_named():
     table = abi_table(require_kernels())
     problems = abi_mismatches(table, {**MIRRORS, "kv_plane": Shifted, "llama_model": Swapped})
     assert any("sizeof(kv_plane)" in p for p in problems)
-    assert any("kv_plane.fp8_scale is in C but missing" in p for p in problems)
+    assert any(f"kv_plane.{KVPlane._fields_[-1][0]} is in C but missing" in p for p in problems)
     assert any("offsetof(llama_model, n_layers)" in p for p in problems)
     assert any("constant CHUNK is 128 in C, 64 in Python" in p
                for p in abi_mismatches(table, constants={**CONSTANTS, "CHUNK": 64}))

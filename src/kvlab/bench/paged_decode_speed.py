@@ -12,7 +12,7 @@ one run, the contenders taking turns so that load from other processes falls on 
 1. `--rows` sequences at mixed positions (evenly from 64 to 1,024 tokens, shuffled blocks of 16
    tokens), one decode step for all of them: C step against the module path, fp16 pool;
 2. one sequence, then `--rows` sequences, at `--context` tokens: the C step on fp16, int8 and
-   fp8 (e4m3) pools (or `--formats`: int4, int2, kvquant4 and kvquant3 too), where the narrow pools read about half
+   fp8 (e4m3) pools (or `--formats`: int4, int2, kivi4, kivi2, kvquant4, kvquant3), where the narrow pools read about half
    of fp16's bytes in attention (int4 with its fp16 scale and zero per 64 channels 0.28, int2 0.16). At
    one row the weights (112 MB a step) are read as often as SmolLM2's 94 MB of fp16 K/V at
    4,096 tokens, so halving the K/V can gain at most about 1.25x; at 16 rows the K/V is 93% of
@@ -55,11 +55,12 @@ BLOCK = 16  # the mixed-position step's blocks: vLLM's GPU default, so rows cros
 
 def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
                 block_size: int = BLOCK, calibration=None) -> tuple[KVPool, list[list[int]]]:
-    """A pool holding random K/V for rows decoding at `positions`, with shuffled block tables (a KVQuant
-    pool: row r in seat r, `calibration`'s codebooks)."""
+    """A pool holding random K/V for rows decoding at `positions`, with shuffled block tables (KVQuant and
+    KIVI pools: row r in seat r; KVQuant's with `calibration`'s codebooks)."""
     need = [pos // block_size + 1 for pos in positions]
-    kvquant = kv_cache_dtype.startswith("kvquant")
-    pool = KVPool.for_model(model.config, sum(need), block_size, kv_cache_dtype, seats=len(positions) if kvquant else 0,
+    kvquant, kivi = kv_cache_dtype.startswith("kvquant"), kv_cache_dtype.startswith("kivi")
+    seated = kvquant or kivi  # a seat per row: KVQuant's sinks and outliers, KIVI's residual ring
+    pool = KVPool.for_model(model.config, sum(need), block_size, kv_cache_dtype, seats=len(positions) if seated else 0,
                             calibration=calibration, max_tokens=max(positions) + 2)
     generator = torch.Generator().manual_seed(seed)
     if kvquant:
@@ -67,7 +68,7 @@ def random_pool(model, positions: list[int], kv_cache_dtype: str, seed: int = 0,
     for tensor in ([] if kvquant else pool.tensors()):
         if tensor.dtype == torch.uint8:
             tensor.copy_(torch.randint(0, 256, tensor.shape, generator=generator, dtype=torch.uint8))
-        elif tensor.dtype == torch.float16 and kv_cache_dtype in ("int8", "int4", "int2"):  # per-group scale, zero
+        elif tensor.dtype == torch.float16 and (kivi or kv_cache_dtype in ("int8", "int4", "int2")):  # scale, zero
             tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.01)
         else:
             tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))

@@ -74,8 +74,10 @@ class KiviPlanes:
             first, last = self.quantised(start), self.quantised(end)
             if last > first:  # whole groups that just fell R tokens back: from the ring, then the new rows
                 held = torch.arange(first, min(last, start)) % self.ring
-                keys = torch.cat((self.k_ring[slot][seat][:, held], kn[:, max(0, first - start):last - start]), dim=1)
-                values = torch.cat((self.v_ring[slot][seat][:, held], vn[:, max(0, first - start):last - start]), dim=1)
+                # none of the new rows when the groups end before them (a slice to last - start < 0 would wrap)
+                new_rows = slice(max(0, first - start), max(0, last - start))
+                keys = torch.cat((self.k_ring[slot][seat][:, held], kn[:, new_rows]), dim=1)
+                values = torch.cat((self.v_ring[slot][seat][:, held], vn[:, new_rows]), dim=1)
                 self._quantise(slot, keys, values, first, table)
             fresh = torch.arange(max(start, last), end)
             self.k_ring[slot][seat][:, fresh % self.ring] = kn[:, fresh - start]

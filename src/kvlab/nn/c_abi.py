@@ -24,6 +24,8 @@ CACHE_INT8 = 5  # uint8 codes with fp16 scale and zero per group (kvlab.cache.co
 CACHE_INT4, CACHE_INT2 = 6, 7  # the same with 4- and 2-bit codes packed into bytes as GroupCodec packs them
 CACHE_GROUP_BITS = {8: CACHE_INT8, 4: CACHE_INT4, 2: CACHE_INT2}  # GroupCodec.bits -> CACHE_*
 CACHE_KVQUANT = 8  # KVQuant rows, seats and codebooks (kvlab.cache.kvquant_pool), described by llama_model.kvq
+CACHE_KIVI_BITS = {4: 9, 2: 10}  # KIVI pools (kvlab.cache.kivi_pool) by bits -> CACHE_KIVI4, CACHE_KIVI2
+KIVI_MAX_GROUP = 256  # tokens (and channels) a KIVI group may hold in C
 CHUNK = 128  # tokens per attention work unit
 MAX_GROUP = 16  # query heads per KV head one pass over the cache serves
 
@@ -35,6 +37,7 @@ ATTENTIONS = {"gqa": 0, "mla": 1}  # csrc/llama_decode.h's ATTN_* (kvlab.nn.conf
 
 CONSTANTS = {"CACHE_F32": 0, "CACHE_F16": 1, "CACHE_BF16": 2, "CACHE_FP8_E4M3": 3, "CACHE_FP8_E5M2": 4,
              "CACHE_INT8": CACHE_INT8, "CACHE_INT4": CACHE_INT4, "CACHE_INT2": CACHE_INT2, "CACHE_KVQUANT": CACHE_KVQUANT, "CHUNK": CHUNK,
+             "CACHE_KIVI4": CACHE_KIVI_BITS[4], "CACHE_KIVI2": CACHE_KIVI_BITS[2], "KIVI_MAX_GROUP": KIVI_MAX_GROUP,
              "MAX_GROUP": MAX_GROUP, "QK": 32, "MAX_LAYOUTS": MAX_LAYOUTS,
              "PAGED_STEP_ARGS": PAGED_STEP_ARGS, "PAGED_ATTEND_ARGS": PAGED_ATTEND_ARGS,
              "ACT_SWIGLU": ACTIVATIONS["swiglu"], "ACT_GEGLU": ACTIVATIONS["geglu"],
@@ -60,8 +63,8 @@ class QStack(ctypes.Structure):
 
 
 class KVPlane(ctypes.Structure):
-    """llama_decode.h's kv_plane: one side (K or V) of one layer's cache."""
-    _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("fp8_scale", _ptr)]
+    """llama_decode.h's kv_plane: one side (K or V) of one layer's cache (a KIVI pool's: its residual ring too)."""
+    _fields_ = [("data", _ptr), ("scale", _ptr), ("zero", _ptr), ("fp8_scale", _ptr), ("ring", _ptr)]
 
 
 class LlamaLayer(ctypes.Structure):
@@ -80,7 +83,8 @@ class LlamaModel(ctypes.Structure):
                 ("rope_interleaved", _int), ("cache_dtype", _int), ("group_size", _int), ("activation", _int),
                 ("eps", _float), ("query_scale", _float), ("kv_lora_rank", _int), ("qk_nope_dim", _int),
                 ("qk_rope_dim", _int), ("layers", ctypes.POINTER(LlamaLayer)), ("final_norm", _ptr),
-                ("lm_head", QMatrix), ("kvq", _ptr)]
+                ("lm_head", QMatrix), ("kvq", _ptr), ("kivi_residual", _int),
+                ("kivi_seats", _int), ("kivi_rows", _ptr)]
 
 
 class KVQuantLayer(ctypes.Structure):

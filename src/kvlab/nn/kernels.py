@@ -47,7 +47,7 @@ SOURCES = (CSRC / "ggml_gemv.c", CSRC / "ggml_gemm_x8.c", CSRC / "ggml_gemm_x8_v
 HEADERS = (CSRC / "ggml_gemv.h", CSRC / "llama_decode.h", CSRC / "kv_codecs.h", CSRC / "x8_layout.h",
            CSRC / "x8_kernel.h", CSRC / "x16_kernel.h", CSRC / "attend_int8.h",
            CSRC / "attend_fp8.h", CSRC / "attend_avx512.h", CSRC / "cpu_features.h", CSRC / "mla_attend.h",
-           CSRC / "kvquant.h", CSRC / "kvquant_attend.h")
+           CSRC / "kvquant.h", CSRC / "kvquant_attend.h", CSRC / "kivi_attend.h")
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlab" / "kernels"
 
 
@@ -138,6 +138,8 @@ def _load_kernels() -> Optional[ctypes.CDLL]:
     lib.kvlab_kvquant_store.argtypes = [ptr, i32, i32, i32, i32, ptr, ptr, ptr, i32, i32]
     lib.kvlab_kvquant_store.restype = i32
     lib.kvlab_group_quantize.restype = None
+    lib.kvlab_kivi_store.argtypes = [ptr, ptr, *[i32] * 9, ptr, ptr, ptr]  # k, v planes; format and sequence; rows
+    lib.kvlab_kivi_store.restype = None
     lib.quantize_act.argtypes, lib.quantize_act.restype = [ptr, ctypes.c_size_t, ptr], None
     lib.kvlab_x8_isa.argtypes, lib.kvlab_x8_isa.restype = [], i32
     lib.kvlab_x8_set_isa.argtypes, lib.kvlab_x8_set_isa.restype = [i32], i32

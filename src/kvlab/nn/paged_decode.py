@@ -23,6 +23,10 @@ runs in C too (csrc/kvquant_attend.h, described by kvlab.nn.kvquant_step): the s
 row's pre-RoPE key and value rows as KVQuantPlanes.store does, byte for byte, and rotates keys
 after decoding them; each row's seat comes with the batch.
 
+A KIVI pool (kivi4, kivi2: quantised tokens in blocks, the newest in an fp32 ring per seat) runs
+in place too (csrc/kivi_attend.h, kvlab.nn.kivi_step): each row also names its sequence's seat,
+and the step stores and reads what KiviPlanes stores and reads.
+
 An MLA model's pool holds one latent row per token (kvlab.cache.pool: kv_heads 1, no values);
 the C step writes each row's latent and RoPE keys there and attends over them absorbed
 (csrc/mla_attend.h), in fp32, fp16, bf16 or fp8 pools.
@@ -52,8 +56,9 @@ import torch
 from kvlab.cache.codecs import FloatCodec, Fp8Codec, GroupCodec, RowCodec
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
-from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, CACHE_KVQUANT, KVPlane
+from kvlab.nn.c_abi import CACHE_DTYPES, CACHE_GROUP_BITS, CACHE_KIVI_BITS, CACHE_KVQUANT, KVPlane
 from kvlab.nn.c_model import embed_rows, llama_struct, new_arena, why_not_model
+from kvlab.nn.kivi_step import kivi_rows, kivi_sides, why_not_kivi
 from kvlab.nn.ggml import address
 from kvlab.nn.kernels import kernels
 from kvlab.nn.kvquant_step import half_style_tables, kvquant_struct, set_seats, why_not_kvquant
@@ -84,7 +89,7 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
     if pool.kivi is not None:
-        return "the C step reads K/V heads stored per token (not KIVI)"
+        return why_not_kivi(config, pool)
     if pool.is_latent != (config.attention == "mla"):
         return "the pool's rows are not this model's (MLA latents for an MLA model, K/V heads otherwise)"
     if pool.is_latent:
@@ -146,8 +151,8 @@ class PagedDecodeStep:
         self.model, self.pool, self.max_rows = model, pool, max_rows
         heads, codec = pool.kv_heads, pool.codecs[0]
         self._keep = []  # fp8 scale tensors the structs point at
-        sides = []
-        for layer in range(pool.num_layers):
+        sides = kivi_sides(pool) if pool.kivi is not None else []
+        for layer in range(pool.num_layers if pool.kivi is None else 0):
             if pool.kvquant is not None:  # described by self._kvq below
                 sides.append((KVPlane(None, None, None, None), KVPlane(None, None, None, None)))
                 continue
@@ -164,14 +169,20 @@ class PagedDecodeStep:
                                     address(scales)))
             sides.append(tuple(pair))
         group_size = codec.group_size if type(codec) is GroupCodec else 0
+        code = _cache_code(codec, pool.k_head_dim) if codec is not None else None
+        if pool.kivi is not None:
+            code, group_size = CACHE_KIVI_BITS[pool.kv_format.bits], pool.kv_format.group_size
         layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
-        cache_code = CACHE_KVQUANT if pool.kvquant is not None else _cache_code(codec, pool.k_head_dim)
-        self._struct, self._layers = llama_struct(model, sides, cache_code, group_size, num_layers, layer_groups)
+        if pool.kvquant is not None:
+            code = CACHE_KVQUANT
+        self._struct, self._layers = llama_struct(model, sides, code, group_size, num_layers, layer_groups)
         self._kvq = None
         if pool.kvquant is not None:
             self._kvq, kept = kvquant_struct(pool, num_layers, half_style_tables(model))
             self._keep.extend(kept)
             self._struct.kvq = ctypes.addressof(self._kvq)
+        if pool.kivi is not None:
+            self._struct.kivi_residual, self._struct.kivi_seats = pool.kv_format.residual, pool.seats
         self._arena = new_arena()
         weakref.finalize(self, kernels().kvlab_arena_free, self._arena)
 
@@ -185,8 +196,8 @@ class PagedDecodeStep:
             raise ValueError(f"{rows} sequences in a step built for at most {self.max_rows}")
         if batch.block_size != self.pool.block_size:
             raise ValueError(f"the batch's blocks hold {batch.block_size} tokens, the pool's {self.pool.block_size}")
-        seats = torch.tensor(batch.seats) if batch.seats is not None else None
-        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables), seats=seats)
+        return self._run(ids.reshape(rows), batch.positions, _padded(batch.group_tables),
+                         seats=(batch.positions.tolist(), [1] * rows, batch.seats))
 
     def feeds(self, feeds: list[list[int]], starts: list[int], block_tables: list,
               logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
@@ -200,16 +211,16 @@ class PagedDecodeStep:
         contiguous) receives every row's final hidden state (after the final norm: what the LM
         head reads). `inputs` (fp32 [rows, dim]) replaces the tokens' embeddings as the rows'
         input (an EAGLE head's fused features); `feeds` then only give the positions. `seats[s]` is
-        sequence s's seat (a KVQuant pool keeps its sinks and key outliers there; other pools ignore it).
+        sequence s's seat: a KVQuant pool keeps its sinks and key outliers there (it must be given), a
+        KIVI pool its residual ring (by default 0, 1, ...); other pools ignore it.
         """
         lengths = torch.tensor([len(feed) for feed in feeds])
         ids = torch.tensor([t for feed in feeds for t in feed])
         first = torch.tensor(starts).repeat_interleave(lengths)
         offsets = torch.arange(int(lengths.sum())) - (lengths.cumsum(0) - lengths).repeat_interleave(lengths)
         grouped = block_tables if block_tables and isinstance(block_tables[0][0], list) else [block_tables]
-        row_seats = torch.tensor(seats).repeat_interleave(lengths) if seats is not None else None
         return self._run(ids, first + offsets, _padded(grouped).repeat_interleave(lengths, dim=1), logit_rows,
-                         hidden, inputs, row_seats)
+                         hidden, inputs, (starts, lengths.tolist(), seats))
 
     def rows(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]]) -> torch.Tensor:
         """One token per row: ids [R] at positions [R], row r's blocks block_tables[r] (a pool of one
@@ -218,9 +229,17 @@ class PagedDecodeStep:
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
              logit_rows: Optional[list[int]] = None, hidden: Optional[torch.Tensor] = None,
-             inputs: Optional[torch.Tensor] = None, seats: Optional[torch.Tensor] = None) -> torch.Tensor:
+             inputs: Optional[torch.Tensor] = None, seats: Optional[tuple] = None) -> torch.Tensor:
+        """`seats`: the sequences' (starts, lengths, seats), which KIVI and KVQuant pools' rows need (by
+        default each row a sequence of its own; a KIVI pool then seats them 0, 1, ...; a KVQuant pool refuses)."""
         rows = int(ids.numel())
-        kept_seats = set_seats(self._kvq, seats, rows) if self._kvq is not None else None  # noqa: F841 (alive)
+        starts, lengths, seq_seats = seats if seats is not None else (positions.tolist(), [1] * rows, None)
+        if self.pool.kivi is not None:  # read by the C step during this call only
+            kivi = kivi_rows(self.pool, starts, lengths, seq_seats if seq_seats is not None else list(range(len(starts))))
+            self._struct.kivi_rows = kivi.data_ptr()
+        if self._kvq is not None:
+            row_seats = None if seq_seats is None else torch.tensor(seq_seats).repeat_interleave(torch.tensor(lengths))
+            kept_seats = set_seats(self._kvq, row_seats, rows)  # noqa: F841 (alive through the call)
         positions = positions.to(torch.int32).contiguous()
         tables = tables.contiguous()
         dim = self.model.config.dim

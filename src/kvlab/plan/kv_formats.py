@@ -72,14 +72,14 @@ ACTIVATION_DTYPES = ("fp32", "bf16")  # what kvlab's CPU models compute in: --dt
 # The one table of cache format names: what `--kv-cache-dtype` accepts everywhere, and which path serves
 # each. "lab": kvlab eval's caches (every format); "pool": the engine's paged pool (kvlab.cache.pool), so
 # serve, generate, bench; "c_step": the pool formats the paged decode step runs in C (kvlab.nn.paged_decode,
-# fp32 activations; int8/int4/int2 in groups of a multiple of 8 channels; kvquant3/4 with their seats' sinks and
-# outliers); the others decode module by module.
+# fp32 activations; int8/int4/int2 and KIVI in groups of a multiple of 8 channels; kvquant3/4 with their seats'
+# sinks and outliers); the others decode module by module.
 # "auto" is the model's dtype. KVQuant's formats need their calibration (`kvlab calibrate-kv`) wherever they run.
 KV_CACHE_DTYPE_PATHS = {
     "auto": ("lab", "pool", "c_step"), "fp16": ("lab", "pool", "c_step"), "bf16": ("lab", "pool", "c_step"),
     "fp32": ("lab", "pool", "c_step"), "fp8": ("lab", "pool", "c_step"), "fp8_e4m3": ("lab", "pool", "c_step"),
     "fp8_e5m2": ("lab", "pool", "c_step"), "int8": ("lab", "pool", "c_step"), "int4": ("lab", "pool", "c_step"),
-    "int2": ("lab", "pool", "c_step"), "kivi2": ("lab", "pool"), "kivi4": ("lab", "pool"),
+    "int2": ("lab", "pool", "c_step"), "kivi2": ("lab", "pool", "c_step"), "kivi4": ("lab", "pool", "c_step"),
     "kvquant3": ("lab", "pool", "c_step"), "kvquant4": ("lab", "pool", "c_step"),
 }
 KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_PATHS)

@@ -584,6 +584,9 @@ static int layout_of(const scratch *s, int window) {
 /* MLA layers' attention: in its own file, using the helpers above. */
 #include "mla_attend.h"
 
+/* KIVI pools' stores and attention: in their own file, using the helpers above. */
+#include "kivi_attend.h"
+
 /* Attention units per row and chunk: one per KV head, or one for every head of an MLA model
  * (its heads all read one latent row: mla_attend.h). */
 static inline int unit_heads(const llama_model *m) { return m->kv_lora_rank > 0 ? 1 : m->n_kv_heads; }
@@ -617,6 +620,7 @@ static void gqa_attend_rows(const llama_model *m, const llama_layer *l, const pa
         norm_rotate_heads(m, l, heads, pos, hq + hkv);
         if (packed_rows(m->cache_dtype, d, m->group_size)) /* the order attention reads them in */
             for (int h = 0; h < hq; h++) packed_permute(heads + h * d, m->cache_dtype, d);
+        if (cache_kivi(m->cache_dtype)) continue; /* stored below, once every row of a sequence has its K/V */
         const int32_t block = v->tables[(size_t)r * v->max_blocks + pos / bs];
         for (int h = 0; h < hkv; h++) {
             const size_t slot = ((size_t)block * hkv + h) * bs + pos % bs;
@@ -624,11 +628,17 @@ static void gqa_attend_rows(const llama_model *m, const llama_layer *l, const pa
             store_row(&l->v, m->cache_dtype, slot, h, heads + (hq + hkv + h) * d, d, m->group_size);
         }
     }
+    const int kivi = cache_kivi(m->cache_dtype);
+    if (kivi) kivi_store_layer(m, l, v, s, width);
     const int units = s->unit_first[s->layout][rows];
     /* dynamic: units differ in length (each row's last chunk is partly filled), and a thread
      * the OS has descheduled on a shared machine should not hold back a fixed share of them */
 #pragma omp for schedule(dynamic, 1)
-    for (int unit = 0; unit < units; unit++) attend_unit(m, l, v, unit, s->qkv, width, s);
+    for (int unit = 0; unit < units; unit++)
+        if (kivi)
+            kivi_attend_unit(m, l, v, unit, s->qkv, width, s);
+        else
+            attend_unit(m, l, v, unit, s->qkv, width, s);
 #pragma omp for schedule(static)
     for (int rh = 0; rh < rows * hq; rh++)
         combine_heads(m, v, rh / hq, rh % hq, s, s->att + (size_t)rh * d);
@@ -801,13 +811,13 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
         const int status = kvq_check_step(m, rows, positions);
         if (status) return status;
     }
-    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_KVQUANT || m->head_dim % 8 ||
+    if (m->cache_dtype < CACHE_F32 || m->cache_dtype > CACHE_KIVI2 || m->head_dim % 8 ||
         (cache_grouped(m->cache_dtype) && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
         (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;
     for (int i = 0; i < m->n_layers; i++)
         if (m->layers[i].group < 0 || m->layers[i].group >= m->n_groups || m->layers[i].window < 0) return -2;
-    const int status = check_mla(m);
+    const int status = cache_kivi(m->cache_dtype) ? check_kivi(m, rows, positions, block_size) : check_mla(m);
     if (status) return status;
     for (int i = 0; i < m->n_layers; i++) {
         const int g = m->layers[i].group, window = m->layers[i].window;
@@ -936,7 +946,8 @@ int llama_paged_attend(const llama_model *m, int layer, int rows, const int32_t 
     if (layer < 0 || layer >= m->n_layers) return -2;
     llama_model one = *m; /* the layer alone: its checks, its window's layout */
     one.n_layers = 1, one.layers = m->layers + layer;
-    if (one.layers->attention != ATTN_GQA || m->kv_lora_rank || m->kvq) return -4; /* KVQuant writes in its own code */
+    if (one.layers->attention != ATTN_GQA || m->kv_lora_rank || m->kvq || cache_kivi(m->cache_dtype))
+        return -4; /* KVQuant and KIVI write in their own code, with each row's seat */
     int status = check_step(&one, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
     scratch s;

@@ -22,13 +22,19 @@ enum {
     CACHE_INT4 = 6,     /* as int8 with 4-bit codes, two a byte, the first channel in the low nibble */
     CACHE_INT2 = 7,     /* as int8 with 2-bit codes, four a byte, the first channel in the lowest bits */
     CACHE_KVQUANT = 8,  /* KVQuant rows, seats and codebooks: llama_model.kvq (kvquant.h, kvquant_attend.h) */
+    CACHE_KIVI4 = 9,    /* KIVI (kivi_attend.h): keys per channel over G tokens, values per token over G channels, */
+    CACHE_KIVI2 = 10,   /* codes packed as int4/int2's; the newest tokens in an fp32 residual ring per seat */
 };
 
 /* The group formats (int8/int4/int2: codes with an fp16 scale and zero per group of channels)
  * share every loop; only how a row's codes are packed differs. */
 static inline int cache_grouped(int dtype) { return dtype >= CACHE_INT8 && dtype <= CACHE_INT2; }
 
-static inline int cache_code_bits(int dtype) { return dtype == CACHE_INT4 ? 4 : dtype == CACHE_INT2 ? 2 : 8; }
+static inline int cache_kivi(int dtype) { return dtype == CACHE_KIVI4 || dtype == CACHE_KIVI2; }
+
+static inline int cache_code_bits(int dtype) {
+    return dtype == CACHE_INT4 || dtype == CACHE_KIVI4 ? 4 : dtype == CACHE_INT2 || dtype == CACHE_KIVI2 ? 2 : 8;
+}
 
 #define CHUNK 128    /* tokens per attention work unit */
 #define MAX_LAYOUTS 4 /* distinct attention windows (full attention counts as one) a model may have */
@@ -57,6 +63,7 @@ enum {
     default: F(__VA_ARGS__, 4);           \
     }
 #define MAX_GROUP 16 /* query heads per KV head handled in one pass over the cache */
+#define KIVI_MAX_GROUP 256 /* KIVI: tokens (and channels) a group may hold */
 
 /* p = e^r for |r| <= ln2 / 2, the polynomial that exp8 (AVX2, llama_decode.c) and exp16
  * (AVX-512, attend_avx512.h) evaluate with their width's FMADD, MUL, ADD and SET1. */
@@ -78,6 +85,9 @@ typedef struct {
                                 packed codes, head_dim * bits / 8 bytes a row */
     uint16_t *scale, *zero;  /* group formats: [blocks, n_kv_heads, block_size, groups] fp16 bits; else NULL */
     const float *fp8_scale;  /* fp8: [n_kv_heads] static scales; else NULL */
+    float *ring;             /* KIVI: [seats, n_kv_heads, kivi_residual + group_size, head_dim] fp32 rows, the
+                                residual (position p in row p % ring); else NULL. KIVI keys' scale and zero are
+                                [blocks, n_kv_heads, block_size / group_size, head_dim], per channel and key group */
 } kv_plane;
 
 /* One layer, as a descriptor the step's loop reads: what differs between model families
@@ -124,6 +134,11 @@ typedef struct {
     const float *final_norm;
     qmatrix lm_head;
     const kvquant_cache *kvq; /* CACHE_KVQUANT: the pool's KVQuant tensors and the step's seats; else NULL */
+    /* KIVI (CACHE_KIVI4/2; group_size is G, tokens a key group and channels a value group): */
+    int kivi_residual;         /* R: a sequence of T tokens holds max(0, (T - R) / G) G quantised, the rest in its ring */
+    int kivi_seats;            /* seats (rings) in the pool */
+    const int32_t *kivi_rows;  /* [rows, 2] per step call, set by the caller: each row's seat and its sequence's
+                                  quantised tokens after the step (rows of one sequence adjacent, one seat) */
 } llama_model;
 
 /* Scratch memory kept between steps: one block, grown when a step needs more, freed by
