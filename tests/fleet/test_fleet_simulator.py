@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from fleet_helpers import replay, replica, requests
 
-import kvlab.engine.engine as engine_module
+import kvlab.engine.build as engine_module  # where the engine makes its scheduler and block manager
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.scheduler import Scheduler
 from kvlab.fleet.fleet import simulate
