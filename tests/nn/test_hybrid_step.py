@@ -23,6 +23,7 @@ from kvlab.nn.paged_decode import PagedDecodeStep, why_not_paged
 from test_c_model import GQA, TOLERANCE, assert_close_to_scale, ggml_model
 from test_paged_decode import assert_pools_agree, one_layer_if_coarse
 from test_sliding_layers import tiny_model
+from test_paged_decode_feeds import prefilled as prefilled_in_blocks
 
 from needs import require_kernels
 
@@ -36,20 +37,9 @@ def kernels_lib():
 
 
 def prefilled(model, prompt_lens, kv_cache_dtype="auto", seed=0):
-    """Two pools holding each sequence's prompt (the module path, the same bytes in both), and the tables."""
-    pools = [KVPool.for_model(model.config, 40, BLOCK, kv_cache_dtype) for _ in range(2)]
-    order = torch.randperm(40, generator=torch.Generator().manual_seed(seed)).tolist()
-    tables, at = [], 0
-    for n in prompt_lens:
-        need = (n + 8) // BLOCK + 1
-        tables.append(order[at:at + need])
-        at += need
-    tokens = torch.randint(0, model.config.vocab_size, (1, sum(prompt_lens)), generator=torch.Generator().manual_seed(1))
-    batch = StepBatch.build([0] * len(prompt_lens), prompt_lens, tables, BLOCK)
-    with torch.inference_mode():
-        for pool in pools:
-            model(tokens, pool, last_only=True, step=batch)
-    return pools, tables
+    """Two pools holding each sequence's prompt (the module path, the same bytes in both), and the tables,
+    in this file's blocks."""
+    return prefilled_in_blocks(model, prompt_lens, seed, kv_cache_dtype, BLOCK)
 
 
 def fed(config, lengths, seed=7):

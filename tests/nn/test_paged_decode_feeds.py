@@ -20,17 +20,17 @@ def kernels_lib():
 BLOCK = 4
 
 
-def prefilled(model, prompt_lens, seed=0):
+def prefilled(model, prompt_lens, seed=0, kv_cache_dtype="auto", block=BLOCK):
     """Two identical pools holding each sequence's prompt (module path), and the sequences' block tables."""
-    pools = [KVPool.for_model(model.config, 40, BLOCK) for _ in range(2)]
+    pools = [KVPool.for_model(model.config, 40, block, kv_cache_dtype) for _ in range(2)]
     order = torch.randperm(40, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, at = [], 0
     for n in prompt_lens:
-        need = (n + 8) // BLOCK + 1
+        need = (n + 8) // block + 1
         tables.append(order[at:at + need])
         at += need
     tokens = torch.randint(0, model.config.vocab_size, (1, sum(prompt_lens)), generator=torch.Generator().manual_seed(1))
-    batch = StepBatch.build([0] * len(prompt_lens), prompt_lens, tables, BLOCK)
+    batch = StepBatch.build([0] * len(prompt_lens), prompt_lens, tables, block)
     with torch.inference_mode():
         for pool in pools:
             model(tokens, pool, last_only=True, step=batch)

@@ -15,11 +15,9 @@ and writes its own block at `context`; the same slots are overwritten every call
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from kvlab.bench.spec_costs import measure_step_costs, timed
+from kvlab.bench.spec_costs import interleaved_medians, measure_step_costs
 
 
 @torch.inference_mode()
@@ -50,13 +48,7 @@ def measure_decode_steps(model, tokenizer, rows: list[int], context: int = 256, 
         if r > 1:
             calls[f"hybrid:{r}"] = lambda ids=ids, batch=batch: hybrid(ids, batch)
     hybrid.warm()
-    for call in calls.values():  # warm-up: pages, the arenas' growth, the library's kernel choice
-        call()
-    samples: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(repetitions):
-        for key, call in calls.items():
-            samples[key].append(timed(call, iterations))
-    ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
+    ms = interleaved_medians(calls, repetitions, iterations)
     return {"context": context, "repetitions": repetitions, "iterations": iterations,
             "rows": {str(r): {"fused_ms": ms[f"fused:{r}"], "hybrid_ms": ms.get(f"hybrid:{r}"),
                               "hybrid_over_fused": ms[f"hybrid:{r}"] / ms[f"fused:{r}"] if r > 1 else None}

@@ -33,6 +33,19 @@ def timed(call, iterations: int) -> float:
     return (time.perf_counter() - began) / iterations
 
 
+def interleaved_medians(calls: dict, repetitions: int, iterations: int) -> dict[str, float]:
+    """Milliseconds per call of each named callable: one warm-up call each (pages, arenas' growth, the
+    library's kernel choice), then `repetitions` rounds timing each in turn, so a change of load on a shared
+    machine falls on all of them alike; the median of the rounds."""
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repetitions):
+        for key, call in calls.items():
+            samples[key].append(timed(call, iterations))
+    return {key: 1e3 * statistics.median(values) for key, values in samples.items()}
+
+
 def _engine(model, tokenizer, spec: Optional[dict]):
     from kvlab.engine import EngineConfig, LLMEngine
     return LLMEngine(model, tokenizer, EngineConfig(kv_cache_memory=64 << 20, max_num_seqs=1, speculative_config=spec))
@@ -66,13 +79,7 @@ def measure_step_costs(model, tokenizer, proposers: dict[str, dict], context: in
         keep.append(engine)
         draft_step.feeds([prompt], [0], [table], logit_rows=[context - 1])  # its own K/V (a draft model's pool)
         calls[f"draft:{name}"] = lambda s=draft_step: s.feeds([prompt[:1]], [context], [table])
-    for call in calls.values():  # warm-up: pages, the arena's growth
-        call()
-    samples: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(repetitions):
-        for key, call in calls.items():
-            samples[key].append(timed(call, iterations))
-    ms = {key: 1e3 * statistics.median(values) for key, values in samples.items()}
+    ms = interleaved_medians(calls, repetitions, iterations)
     plain = ms["verify:1"]
     return {"context": context, "repetitions": repetitions, "iterations": iterations, "verifier": verifier,
             "plain_step_ms": plain,

@@ -226,24 +226,10 @@ static inline __attribute__((always_inline)) void kivi_heads(const llama_model *
     const kv_plane k_ring = {l->k.ring, NULL, NULL, NULL, NULL};
     for (; t + TB <= len; t += TB) key_dots(&k_ring, CACHE_F32, c, q, 0, d, t, scores, GH, TB);
     for (; t < len; t++) key_dots(&k_ring, CACHE_F32, c, q, 0, d, t, scores, GH, 1);
-    const __m256 kf = _mm256_set1_ps(k_factor);
     for (int h = 0; h < GH; h++) { /* each head's softmax partials, exp'd in place (as attend_heads) */
         float *sh = scores + h * CHUNK;
-        for (t = 0; t < len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
-        __m256 top8 = _mm256_set1_ps(-INFINITY);
-        for (t = 0; t + 8 <= len; t += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sh + t));
-        float top = hmax(top8), total;
-        for (; t < len; t++) top = fmaxf(top, sh[t]);
-        __m256 sum = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= len; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), _mm256_set1_ps(top)));
-            _mm256_storeu_ps(sh + t, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        total = hsum(sum);
-        for (; t < len; t++) total += sh[t] = expf(sh[t] - top);
-        for (; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the value groups' passes below */
-        part_max[h] = top, part_sum[h] = total;
+        chunk_softmax(sh, len, k_factor, part_max + h, part_sum + h);
+        for (t = len; t % 8; t++) sh[t] = 0.0f; /* pad the last vector for the value groups' passes below */
     }
     if (nq > 0) { /* the quantised values, group by group of channels: scales folded into the weights */
         const int P = 8 / cache_code_bits(dtype), W = 8 * P, V = GH == 1 ? 8 : GH == 2 ? 4 : 2;

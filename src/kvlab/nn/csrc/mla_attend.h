@@ -118,8 +118,8 @@ static inline __attribute__((always_inline)) void mla_value_pack(const mla_rows 
 }
 
 /* One head's scores over the chunk (len of them, at sh) scaled, then exp'd in place minus their
- * largest: the softmax partials, as attend_heads leaves them. */
-static void mla_softmax(float *sh, int len, float scale, float *part_max, float *part_sum) {
+ * largest: the softmax partials, as attend_heads leaves them (MLA's and KIVI's units call it). */
+static void chunk_softmax(float *sh, int len, float scale, float *part_max, float *part_sum) {
     const __m256 kf = _mm256_set1_ps(scale);
     int t;
     for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(sh + t, _mm256_mul_ps(_mm256_loadu_ps(sh + t), kf));
@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void mla_attend_chunk(const llama_m
     }
     const float k_scale = in_place ? factor * scale : scale; /* a widened copy is in the cache's units already */
     for (int h = 0; h < hq; h++)
-        mla_softmax(scores + (size_t)h * CHUNK, len, k_scale, s->part_max + first + h, s->part_sum + first + h);
+        chunk_softmax(scores + (size_t)h * CHUNK, len, k_scale, s->part_max + first + h, s->part_sum + first + h);
     memset(out, 0, (size_t)hq * rank * sizeof(float));
     for (int t0 = 0; t0 < len; t0 += MLA_SUB) { /* the weighted latent */
         c.len = len - t0 < MLA_SUB ? len - t0 : MLA_SUB; /* the chunk's rows are in L2 since the scores */
