@@ -15,12 +15,12 @@ speculative verification of [last token, drafts]) is one C call, each fed token 
 own at its own position (kvlab.nn.paged_decode, `PagedDecodeStep.feeds`); so are the
 proposers' rounds: the self-draft as the C step cut to the target's first layers, a draft
 model as its own C step over its side of the pool (the engine packs it to Q8_0 for this).
-Where the step's rows (one per decoding sequence, k + 1 per verification) are at or above that
-crossover, a decode or verification step takes the hybrid step instead (kvlab.nn.hybrid_step:
+Where the step's rows (one per decoding sequence, k + 1 per verification) are at or above the
+crossover below, a decode or verification step takes the hybrid step instead (kvlab.nn.hybrid_step:
 the products in the library, attention in C over the pool, the same calls), and below it the
-fused step: a batch-1 step is always the fused one. Steps that carry prompt chunks run in C too, every prompt token a row (scores only for the
-rows that are sampled), up to C_PROMPT_CONTEXT tokens of context and where the step's rows are
-fewer than the machine's measured crossover to the library's products (kvlab.nn.matmul_backend);
+fused step: a batch-1 step is always the fused one. Steps that carry prompt chunks run in C too,
+every prompt token a row (scores only for the rows that are sampled), up to C_PROMPT_CONTEXT tokens
+of context and where the step's rows are fewer than the machine's measured crossover to the library's products (kvlab.nn.matmul_backend);
 past either, and for a draft model's catch-up over a whole prompt, module by module, where each
 product of that many rows goes to the library.
 

@@ -24,11 +24,10 @@ import ctypes
 from typing import Optional
 
 import torch
-from torch.nn import functional as F
 
 from kvlab.cache.pool import KVPool
 from kvlab.nn.c_model import embed_rows
-from kvlab.nn.ggml import GGMLStack, address
+from kvlab.nn.ggml import GGMLStack
 from kvlab.nn.kernels import kernels
 from kvlab.nn.matmul_backend import library_product
 from kvlab.nn.model import Decoder
@@ -43,7 +42,8 @@ def why_not_hybrid(model: Decoder, pool) -> Optional[str]:
     if model.config.attention != "gqa":
         return "the hybrid step's C attention takes grouped-query layers (an MLA layer projects inside C)"
     if getattr(pool, "planes", None) is not None:
-        return "the hybrid step's C attention writes per-token codecs; KIVI and KVQuant pools write in their own layer code"
+        return ("the hybrid step's C attention writes per-token codecs; KIVI and KVQuant pools write in their own "
+                "layer code")
     return None
 
 

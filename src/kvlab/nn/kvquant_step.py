@@ -9,7 +9,6 @@ builds the descriptor once; `set_seats` points it at the step's seats before eac
 
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
@@ -43,8 +42,8 @@ def half_style_tables(model: Decoder) -> bool:
         return False
     half = config.head_size // 2
     tables = {id(rope): rope for rope in (model.rope_for(layer) for layer in range(config.n_layers))}
-    return all(rope.cos.shape[-1] == config.head_size and torch.equal(rope.cos[:, :half], rope.cos[:, half:]) and torch.equal(rope.sin[:, :half], -rope.sin[:, half:])
-               for rope in tables.values())
+    return all(rope.cos.shape[-1] == config.head_size and torch.equal(rope.cos[:, :half], rope.cos[:, half:])
+               and torch.equal(rope.sin[:, :half], -rope.sin[:, half:]) for rope in tables.values())
 
 
 def kvquant_struct(pool, num_layers: Optional[int] = None, rope_halves: bool = False) -> tuple[KVQuantCache, list]:

@@ -235,7 +235,8 @@ class PagedDecodeStep:
         rows = int(ids.numel())
         starts, lengths, seq_seats = seats if seats is not None else (positions.tolist(), [1] * rows, None)
         if self.pool.kivi is not None:  # read by the C step during this call only
-            kivi = kivi_rows(self.pool, starts, lengths, seq_seats if seq_seats is not None else list(range(len(starts))))
+            seq_seats = seq_seats if seq_seats is not None else list(range(len(starts)))
+            kivi = kivi_rows(self.pool, starts, lengths, seq_seats)
             self._struct.kivi_rows = kivi.data_ptr()
         if self._kvq is not None:
             row_seats = None if seq_seats is None else torch.tensor(seq_seats).repeat_interleave(torch.tensor(lengths))
