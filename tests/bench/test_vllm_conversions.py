@@ -59,3 +59,39 @@ def test_vllm_serves_kvlabs_smollm2_export_with_the_planned_capacity():
         assert theirs["text"].strip() and len(theirs["ids"]) <= 16, theirs
     # measured: the completion's 16 greedy tokens agree exactly (the chat prompt's do not; the report says so)
     assert row["vllm"]["texts"]["completion"]["ids"] == row["kvlab"]["float32"]["completion"]["ids"]
+
+
+def test_a_vllm_http_error_is_recorded_with_the_servers_last_lines_not_a_lost_run(monkeypatch, tmp_path):
+    """A 500 from vLLM on one prompt (as the MLA-25% conversion got) is kept in the result, with the server's
+    log tail; the other prompts still run, and the report shows the error where the yes/no would be."""
+    import httpx
+
+    from kvlab.bench import peers, vllm_conversions
+    from kvlab.report.conversions import _yes
+
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO CPU KV cache size: 1,024 tokens, Maximum concurrency for 4,096 tokens per request: 0.25x\n"
+                   "ERROR the kernel refused this latent width\n")
+
+    class Server:
+        base_url, startup_s = "http://127.0.0.1:1", 1.0
+
+        def __init__(self, peer, port):
+            self.log = open(log)
+
+        def stop(self):
+            self.log.close()
+
+    replies = iter([httpx.Response(500, text="Internal Server Error"),
+                    httpx.Response(200, json={"choices": [{"text": " Paris", "finish_reason": "length",
+                                                           "logprobs": {"tokens": ["token_id:7042"]}}]})])
+    monkeypatch.setattr(peers, "Running", Server)
+    monkeypatch.setattr(peers, "free_ports", lambda n: [1])
+    monkeypatch.setattr(httpx, "post", lambda *a, **k: next(replies))
+    monkeypatch.setattr(vllm_conversions, "_vllm_version", lambda python: "test")
+    got = vllm_conversions.vllm_serve("python", "DIR", {"completion": [1, 2], "chat": [3]})
+    assert got["started"] and got["tokens"] == 1024
+    assert got["texts"]["completion"]["error"].startswith("HTTP 500")
+    assert "refused this latent width" in got["texts"]["completion"]["log_tail"][-1]
+    assert got["texts"]["chat"]["ids"] == [7042]
+    assert _yes("HTTP 500: Internal") == "**HTTP 500: Internal**" and _yes(True) == "yes" and _yes(False) == "**no**"

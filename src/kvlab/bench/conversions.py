@@ -222,7 +222,9 @@ def serving(variant: Variant, stage: str) -> dict:
     result["kvlab_text"] = {kind: {"text": r["text"], "ids": r["ids"]} for kind, r in ours.items()}
     if theirs.get("started"):
         result["capacity_matches_plan"] = theirs["tokens"] == result["plan"]["tokens"]
-        result["text_matches"] = {kind: theirs["texts"][kind]["ids"] == ours[kind]["ids"] for kind in ours}
+        result["text_matches"] = {kind: theirs["texts"][kind]["ids"] == ours[kind]["ids"]
+                                  if "error" not in theirs["texts"][kind] else theirs["texts"][kind]["error"][:40]
+                                  for kind in ours}
     return result
 
 

@@ -127,7 +127,11 @@ def vllm_serve(python: str, directory: str, prompts: dict) -> dict:
             reply = httpx.post(server.base_url + "/v1/completions", timeout=300,
                                json={"model": "m", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
                                      "logprobs": 0, "return_tokens_as_token_ids": True})
-            reply.raise_for_status()
+            if reply.status_code != 200:  # recorded with the server's last lines, not a lost run
+                server.log.flush()
+                tail = [line for line in Path(server.log.name).read_text(errors="replace").splitlines() if line][-12:]
+                texts[kind] = {"error": f"HTTP {reply.status_code}: {reply.text[:300]}", "log_tail": tail}
+                continue
             choice = reply.json()["choices"][0]
             tokens = (choice.get("logprobs") or {}).get("tokens") or []
             texts[kind] = {"text": choice["text"], "finish_reason": choice.get("finish_reason"),

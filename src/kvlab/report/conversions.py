@@ -127,7 +127,10 @@ def render(data: dict, variants, keys: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _yes(flag: bool) -> str:
+def _yes(flag) -> str:
+    """yes / **no**, or what went wrong instead of an answer (vLLM's HTTP error, recorded by the bench)."""
+    if isinstance(flag, str):
+        return f"**{flag}**"
     return "yes" if flag else "**no**"
 
 
