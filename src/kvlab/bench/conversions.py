@@ -223,7 +223,7 @@ def serving(variant: Variant, stage: str) -> dict:
     if theirs.get("started"):
         result["capacity_matches_plan"] = theirs["tokens"] == result["plan"]["tokens"]
         result["text_matches"] = {kind: theirs["texts"][kind]["ids"] == ours[kind]["ids"]
-                                  if "error" not in theirs["texts"][kind] else theirs["texts"][kind]["error"][:40]
+                                  if "error" not in theirs["texts"][kind] else "vLLM " + theirs["texts"][kind]["error"].split(":")[0]
                                   for kind in ours}
     return result
 
