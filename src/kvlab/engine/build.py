@@ -18,7 +18,7 @@ from kvlab.cache.pool import KVPool
 from kvlab.engine.block_manager import BlockManager
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.errors import RequestError
-from kvlab.engine.memory_budget import utilization_budget
+from kvlab.engine.memory_budget import available_memory_bytes, utilization_budget
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerConfig
 from kvlab.engine.speculative import SpeculativeConfig
@@ -36,19 +36,6 @@ def shared_capacity(target, draft, budget: int, max_model_len: int, formats, blo
             "log_lines": [f"Available KV cache memory: {budget / 2**30:.2f} GiB",
                           f"CPU KV cache size: {tokens:,} tokens (each block holds the target's and the draft's K/V)",
                           f"Maximum concurrency for {max_model_len:,} tokens per request: {tokens / max_model_len:.2f}x"]}
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what the machine can give without swapping)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def kv_budget(config: EngineConfig) -> int:
@@ -202,4 +189,4 @@ def build(model, config: EngineConfig) -> EngineParts:
                        "fused C step" if paged_step is not None else "module by module")
 
 
-__all__ = ["EngineParts", "build", "kv_budget", "shared_capacity", "available_memory_bytes"]
+__all__ = ["EngineParts", "build", "kv_budget", "shared_capacity"]

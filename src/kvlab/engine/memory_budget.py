@@ -15,16 +15,26 @@ import os
 from kvlab.engine.errors import RequestError
 
 
-def total_memory_bytes() -> int:
-    """MemTotal from /proc/meminfo."""
+def _meminfo_bytes(field: str, pages: str) -> int:
+    """/proc/meminfo's `field` in bytes, or sysconf's page count `pages` times the page size where it is absent."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
+
+
+def total_memory_bytes() -> int:
+    """MemTotal from /proc/meminfo."""
+    return _meminfo_bytes("MemTotal", "SC_PHYS_PAGES")
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the machine can give without swapping)."""
+    return _meminfo_bytes("MemAvailable", "SC_AVPHYS_PAGES")
 
 
 def resident_bytes() -> int:
