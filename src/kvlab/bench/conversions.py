@@ -47,7 +47,7 @@ TRAIN_TEXT, EVAL_TEXT = "pride-and-prejudice.txt", "frankenstein.txt"
 PASSKEY_LENGTH, PASSKEY_DEPTHS, PASSKEY_TRIALS, PASSKEY_SEEDS = 2048, (0.1, 0.5, 0.9), 4, (0, 1)
 UPTRAIN_TOKENS, SLICE_MINUTES = 32_768, 12.0  # a short uptrain: what 2 shared cores give in a session
 UPTRAIN_FLAGS = ["--tokens", str(UPTRAIN_TOKENS), "--batch-size", "2", "--block-size", "512", "--lr", "1e-4"]
-KV_SPACE_GIB, VLLM_LATENT = 1, 512
+KV_SPACE_GIB, VLLM_LATENT, VLLM_ROPE = 1, 512, 64
 CONCURRENCY, PROMPT_LENS, OUTPUT_LEN = (1, 4, 16, 32), (128, 1024), 64
 
 
@@ -197,12 +197,12 @@ def quality(variant: Variant, stage: str) -> dict:
 
 
 def pad(variant: Variant, stage: str) -> dict:
-    argv = ["convert", str(directory(variant, stage)), "--pad-latent", str(VLLM_LATENT), "-o",
+    argv = ["convert", str(directory(variant, stage)), "--pad-latent", str(VLLM_LATENT), "--pad-rope", str(VLLM_ROPE), "-o",
             str(served_directory(variant, stage)), "--force", "--json"]
     code, _ = cli(argv)
     if code != 0:
         raise SystemExit(f"conversions: kvlab convert --pad-latent on {variant.name} exited {code}")
-    return {"command": f"kvlab convert DIR --pad-latent {VLLM_LATENT} -o DIR-vllm"}
+    return {"command": f"kvlab convert DIR --pad-latent {VLLM_LATENT} --pad-rope {VLLM_ROPE} -o DIR-vllm"}
 
 
 def serving(variant: Variant, stage: str) -> dict:

@@ -252,25 +252,54 @@ def _interleaved(rows: torch.Tensor) -> torch.Tensor:
     return torch.stack((rows.real, rows.imag), dim=-2).flatten(-3, -2)
 
 
-def pad_latent(model: Decoder, rank: int) -> Decoder:
+def pad_latent(model: Decoder, rank: int, rope_dim: Optional[int] = None) -> Decoder:
     """The same function with the latent widened to `rank` by zero channels (zero rows in the down-projection,
-    zero columns in the up-projection). vLLM's CPU MLA kernel only runs kv_lora_rank 512 with a 64-channel
-    RoPE key (DeepSeek-V2's sizes), so a smaller conversion is served padded: it computes the same, but its
-    cache row is rank + RoPE wide."""
+    zero columns in the up-projection) and, with `rope_dim`, the shared RoPE key widened to that many channels.
+    vLLM's CPU MLA kernel only runs kv_lora_rank 512 with a 64-channel RoPE key (DeepSeek-V2's sizes), so a
+    smaller conversion is served padded: it computes the same, but its cache row is rank + RoPE wide.
+
+    A RoPE key of D channels rotates pair i at theta^(-2i/D); one of m * D channels rotates pair m * i at
+    theta^(-2 m i/(m D)), the same angle. So each pair moves to m times its index, the pairs between stay zero
+    in both the queries and the key (they add nothing to a score), and the queries take the factor
+    sqrt((nope + m D) / (nope + D)) that undoes the wider head's smaller score scale."""
     config = model.config
     if config.attention != "mla" or config.rope_key_heads != 1:
         raise PlanError("--pad-latent widens a DeepSeek-layout MLA latent (--to mla --layout deepseek)")
     if rank < config.kv_lora_rank:
         raise PlanError(f"--pad-latent {rank} is below the latent's {config.kv_lora_rank} channels")
+    old_rope = config.qk_rope_head_dim
+    new_rope = old_rope if rope_dim is None else rope_dim
+    if new_rope % old_rope:
+        raise PlanError(f"--pad-rope {new_rope} is not a multiple of the RoPE key's {old_rope} channels")
     extra = rank - config.kv_lora_rank
+    moved = _rope_channels(old_rope, new_rope)
+    heads, nope = config.n_heads, config.qk_nope_head_dim
+    query_gain = ((nope + new_rope) / (nope + old_rope)) ** 0.5
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     for i in range(config.n_layers):
         p = f"blocks.{i}.attn."
         down, up = state[p + "wkv_a.weight"], state[p + "wkv_b.weight"]
-        latent, rope = down.split((config.kv_lora_rank, down.shape[0] - config.kv_lora_rank))
-        state[p + "wkv_a.weight"] = torch.cat((latent, down.new_zeros(extra, down.shape[1]), rope))
+        latent, rope = down.split((config.kv_lora_rank, old_rope))
+        wide_rope = rope.new_zeros(new_rope, down.shape[1])
+        wide_rope[moved] = rope
+        state[p + "wkv_a.weight"] = torch.cat((latent, down.new_zeros(extra, down.shape[1]), wide_rope))
         state[p + "wkv_b.weight"] = torch.cat((up, up.new_zeros(up.shape[0], extra)), dim=1)
         if p + "kv_norm.weight" in state:
             state[p + "kv_norm.weight"] = torch.cat((state[p + "kv_norm.weight"], down.new_ones(extra)))
-    padded = replace(config, kv_lora_rank=rank, name=f"{config.name} [padded to {rank}]")
+        if new_rope != old_rope:
+            q = state[p + "wq.weight"].view(heads, nope + old_rope, -1)
+            wide_q = q.new_zeros(heads, nope + new_rope, q.shape[-1])
+            wide_q[:, :nope] = q[:, :nope]
+            wide_q[:, nope + moved] = q[:, nope:]
+            state[p + "wq.weight"] = (wide_q * query_gain).reshape(heads * (nope + new_rope), -1)
+    name = f"{config.name} [padded to {rank}" + (f" + RoPE {new_rope}]" if new_rope != old_rope else "]")
+    padded = replace(config, kv_lora_rank=rank, qk_rope_head_dim=new_rope, name=name)
     return Decoder.from_state_dict(padded, state).to(model.dtype).train(model.training)
+
+
+def _rope_channels(old: int, new: int) -> torch.Tensor:
+    """Where each channel of an `old`-channel RoPE key sits in a `new`-channel key rotating at the same angles:
+    pair i (channels 2i, 2i + 1 in DeepSeek's interleaved layout, the only one this conversion writes) becomes
+    pair (new / old) * i."""
+    pairs = torch.arange(old // 2) * (new // old)
+    return torch.stack((2 * pairs, 2 * pairs + 1), -1).flatten()

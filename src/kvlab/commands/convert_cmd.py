@@ -87,7 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str, help_text: str
     parser.add_argument("--pad-latent", type=positive_int, metavar="R",
                         help="with --to mla --layout deepseek, or on an MLA directory alone: widen the latent to R "
                              "channels with zeros (the same function; vLLM's CPU MLA kernel runs only R = 512 "
-                             "with --rope-dim 64)")
+                             "with a 64-channel RoPE key: add --pad-rope 64 for a narrower one)")
+    parser.add_argument("--pad-rope", type=positive_int, metavar="D",
+                        help="with --pad-latent: widen the shared RoPE key to D channels, a multiple of its width "
+                             "(the same function: each frequency keeps its angle, the channels between are zero)")
     parser.add_argument("--calibration", metavar="FILE", help="UTF-8 text the fits run on (see below)")
     parser.add_argument("--calibration-tokens", type=positive_int, default=16384, metavar="N",
                         help="calibration tokens (16384)")
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                                         lambda i: step(f"layer {i + 1}/{layers}"))
             if args.pad_latent is not None:
                 from kvlab.checkpoints.mla_aware import pad_latent
-                model = pad_latent(model, args.pad_latent)
+                model = pad_latent(model, args.pad_latent, args.pad_rope)
         else:
             model, facts = _heads(source.model, args, calibration, lambda i: step(f"layer {i + 1}/{layers}"))
             if not calibrated:
@@ -208,16 +211,19 @@ def _pad_only(args: argparse.Namespace, source) -> int:
         raise PlanError("--pad-latent and --kv-heads are separate conversions")
     if source.model.config.attention != "mla":
         raise PlanError("--pad-latent widens an MLA latent: give an MLA directory, or convert with --to mla")
-    before = source.model.config.kv_lora_rank
-    model = pad_latent(source.model, args.pad_latent)
+    before, rope_before = source.model.config.kv_lora_rank, source.model.config.qk_rope_head_dim
+    model = pad_latent(source.model, args.pad_latent, args.pad_rope)
     files = write_outputs(model, source, args.out, False, args.force, dtype=output_dtype(args.dtype, source))
     report = {"source": source.path, "out": args.out, "files": files, "kv_lora_rank_before": before,
-              "kv_lora_rank": args.pad_latent}
+              "kv_lora_rank": args.pad_latent, "qk_rope_head_dim_before": rope_before,
+              "qk_rope_head_dim": model.config.qk_rope_head_dim}
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
-        print(f"{source.path} -> {args.out}: latent {before} -> {args.pad_latent} channels (zeros; the same function)")
+        rope = f", RoPE key {rope_before} -> {report['qk_rope_head_dim']}" if report["qk_rope_head_dim"] != rope_before else ""
+        print(f"{source.path} -> {args.out}: latent {before} -> {args.pad_latent} channels{rope} "
+              "(zeros; the same function)")
         print(f"wrote {', '.join(files)}")
     return 0
 
@@ -236,6 +242,8 @@ def _check_flags(args: argparse.Namespace) -> bool:
     from kvlab.plan.errors import PlanError
 
     mla_only = (args.kv_lora_rank, args.rope_dim, args.kv_cache_fraction)
+    if args.pad_rope is not None and args.pad_latent is None:
+        raise PlanError("--pad-rope widens the RoPE key of a padded latent: give --pad-latent R with it")
     if args.to != "mla":
         if any(v is not None for v in mla_only):
             raise PlanError("--kv-lora-rank, --kv-cache-fraction and --rope-dim need --to mla")
@@ -278,6 +286,8 @@ def _plan(args: argparse.Namespace, config) -> tuple[int, int]:
     mla_aware.check_request(config, rank, rope_dim)
     if args.pad_latent is not None and args.pad_latent < rank:
         raise PlanError(f"--pad-latent {args.pad_latent} is below the latent's {rank} channels")
+    if args.pad_rope is not None and args.pad_rope % rope_dim:
+        raise PlanError(f"--pad-rope {args.pad_rope} is not a multiple of the RoPE key's {rope_dim} channels")
     return rank, rope_dim
 
 

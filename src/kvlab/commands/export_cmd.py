@@ -120,8 +120,8 @@ def _check_cpu_mla(out: str, spec, kv_cache_dtype: str) -> None:
     row = (layers[0].kv_lora_rank, layers[0].qk_rope_head_dim)
     if row != CPU_MLA_ROW:
         raise PlanError(f"{out} caches a latent of {row[0]} + RoPE {row[1]}; vLLM's CPU MLA kernel runs only "
-                        f"{CPU_MLA_ROW[0]} + {CPU_MLA_ROW[1]} (DeepSeek-V2's): convert with --rope-dim 64 "
-                        f"--pad-latent 512 (the same function, a wider cache row), or serve on a GPU (--gpu)")
+                        f"{CPU_MLA_ROW[0]} + {CPU_MLA_ROW[1]} (DeepSeek-V2's): kvlab convert {out} --pad-latent 512 "
+                        f"--pad-rope 64 -o OUT (the same function, a wider cache row), or serve on a GPU (--gpu)")
     if kv_cache_dtype != "auto":
         raise PlanError("vLLM's CPU MLA backend caches the latent in the model's dtype only (--kv-cache-dtype auto)")
 

@@ -76,7 +76,7 @@ def render(data: dict, variants, keys: list[str]) -> str:
     lines += ["", "## Capacity: what each server logs, against kvlab plan", "",
               "1 GiB of KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE; kvlab's engine --kv-cache-memory), bf16. MLA "
               "directories are served padded to vLLM's CPU kernel's 512 + 64 latent row (`kvlab convert DIR "
-              "--pad-latent 512`: the same function, a wider cache row), so their served capacity is that row's.", "",
+              "--pad-latent 512 --pad-rope 64`: the same function, a wider cache row), so their served capacity is that row's.", "",
               ]
     rows = []
     for v in (v for v in variants if v.served):
