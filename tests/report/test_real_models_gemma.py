@@ -25,11 +25,16 @@ def test_rows_count_each_length_and_depth_and_bound_the_window():
     assert row["passkey_by_depth"] == {"0.1": [2, 4], "0.5": [1, 2], "0.9": [0, 0]}
     # at 8k tokens the 3 global layers hold every token, the 15 sliding ones their 512 (1 KV head x 256 x K and V)
     assert row["serving"]["kv_bytes_per_sequence_8k"] == (3 * 8192 + 15 * 512) * 2 * 256 * 2
-    line = row_line(gemma.table_cells(row, row))
+    row["engine_capacity_line"] = "Maximum concurrency for 8,192 tokens per request: 9.50x"
+    runs = {"fp16": {"output_tokens_per_s": 150.04, "decode_path": "fused C step"},
+            "kivi4": {"refused": "kivi4 pools serve full-attention K/V layers only"}}
+    line = row_line(gemma.table_cells(row, row, runs))
     assert line == "| fp16 | 31.5 | 30.000 | +0.00% | +0.00% / +0.00% | 2/4 | 1/2 | – | 0/2 | – | 3/4 | " + " | ".join(
-        str(row["serving"][name]) for name in CARDS) + " |"
+        str(row["serving"][name]) for name in CARDS) + " | 9.50x | 150.0 |"
+    refused = row_line(gemma.table_cells({**row, "label": "kivi4", "engine_capacity_line": None}, row, runs))
+    assert refused.endswith("| – | not served: kivi4 pools serve full-attention K/V layers only |")
     bounded = serving(window, gemma.STUDY)
     assert bounded["kv_bytes_per_sequence_8k"] == (3 * 516 + 15 * 512) * 2 * 256 * 2
     assert bounded["L4"] > row["serving"]["L4"]
-    section = gemma.section([row, {**summarise(store, window, gemma.STUDY), "serving": bounded}])
+    section = gemma.section([row, {**summarise(store, window, gemma.STUDY), "serving": bounded}], runs)
     assert section[0] == "## Gemma 3 270M" and section[-1].startswith("| fp16 sink4+win512 | 9.0 | – | – | – | 0/2 |")

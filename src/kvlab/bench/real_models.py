@@ -10,7 +10,7 @@ Repeat it until it says the report is complete. Quality comes from kvlab.evals (
 through the cache, passkey retrieval); seats per card from kvlab.plan at 8k context; the
 engine's capacity line from constructing kvlab's engine for the settings its paged pool serves.
 SmolLM2 is measured first (its rows, the engine's throughput, the uptrained row), then Gemma 3
-(kvlab.bench.real_models_gemma).
+(kvlab.bench.real_models_gemma: its rows, then the engine's throughput, or its refusal, per row).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def shared_file(*parts: str) -> Path:
 def step_keys(only: Optional[str]):
     """Whether a step runs: every step, or with --only those whose key starts with one of its comma-separated
     prefixes. Keys: `smollm2:LABEL` (a SmolLM2 row's quality cells), `throughput:LABEL` (its engine run),
-    `uptrain` (the uptraining run and its row), `gemma:LABEL` (a Gemma 3 row's quality cells)."""
+    `uptrain` (the uptraining run and its row), `gemma:LABEL` (a Gemma 3 row's quality cells),
+    `gemma-throughput:LABEL` (its engine run)."""
     prefixes = tuple(p for p in (only or "").split(",") if p)
     return lambda key: not prefixes or key.startswith(prefixes)
 
@@ -107,8 +108,16 @@ def measure(out: Path, max_seconds: float, threads: int, only: Optional[str] = N
     # then Gemma 3, whose cells are all quality cells
     in_time = time.monotonic() - started <= max_seconds
     gemma_jobs = evaluate(out, gemma.STUDY, started, max_seconds, threads, wanted) if in_time else None
+    runs = gemma.STUDY.engine_runs
+    for setting in throughput.pending(out, gemma.STUDY.settings, runs) if gemma_jobs is not None else []:
+        if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in gemma_jobs):
+            break
+        if wanted(f"gemma-throughput:{setting.label}"):
+            print(f"real_models: Gemma 3's engine throughput, {setting.label}", file=sys.stderr)
+            throughput.measure(out, gemma.STUDY.model, setting, threads, out / gemma.STUDY.calibration, file=runs)
     return (uptrain.finished() and not throughput.pending(out, SETTINGS) and gemma_jobs is not None
-            and all(e.pending(s, t) == 0 for e, s, t in jobs + gemma_jobs))
+            and all(e.pending(s, t) == 0 for e, s, t in jobs + gemma_jobs)
+            and not throughput.pending(out, gemma.STUDY.settings, runs))
 
 
 def study_tasks(study: Study) -> list:
@@ -182,14 +191,17 @@ def run(jobs: list, started: float, max_seconds: float, threads: int) -> None:
 
 
 def engine_line(setting: KVSetting, model, calibration: Path) -> Optional[str]:
-    """The engine's own 'Maximum concurrency' start-up figure for the setting (every setting is served; KVQuant
-    with the study's calibration)."""
+    """The engine's own 'Maximum concurrency' start-up figure for the setting (KVQuant with the study's
+    calibration), or None where the engine refuses it (the throughput cell says why)."""
     from kvlab.engine.engine import EngineConfig, LLMEngine
-    engine = LLMEngine(model, None, EngineConfig(kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY,
-                                                 max_model_len=SERVE_CONTEXT, paged_step=False, kv_window=setting.window,
-                                                 sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
-                                                 max_num_seqs=ENGINE_SEATS,
-                                                 kv_calibration=str(calibration) if setting.is_kvquant else None))
+    from kvlab.errors import KvlabError
+    try:
+        engine = LLMEngine(model, None, EngineConfig(
+            kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=ENGINE_MEMORY, max_model_len=SERVE_CONTEXT,
+            paged_step=False, kv_window=setting.window, sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+            max_num_seqs=ENGINE_SEATS, kv_calibration=str(calibration) if setting.is_kvquant else None))
+    except KvlabError:
+        return None
     line = next(line for line in engine.capacity_lines if "Maximum concurrency" in line)
     return line[line.index("Maximum concurrency"):]
 
@@ -214,7 +226,11 @@ def tabulate(out: Path) -> dict:
         rows.append(row)
     path = out / gemma.STUDY.results
     gemma_store = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
-    gemma_rows = [{**summarise(gemma_store, s, gemma.STUDY), "serving": serving(s, gemma.STUDY)}
+    gemma_model = load_model(gemma.STUDY.model, torch.float32, "dense")
+    gemma_runs = throughput.load(out, gemma.STUDY.engine_runs)["rows"]
+    gemma_rows = [{**summarise(gemma_store, s, gemma.STUDY), "serving": serving(s, gemma.STUDY),
+                   "engine_capacity_line": engine_line(s, gemma_model, out / gemma.STUDY.calibration),
+                   "engine_c16_output_tokens_per_s": gemma_runs.get(s.label, {}).get("output_tokens_per_s")}
                   for s in gemma.STUDY.settings]
     doc = {"model": MODEL, "eval_text": EVAL_TEXT, "calibration_text": CALIBRATION_TEXT, "context": CONTEXT,
            "windows": WINDOWS,

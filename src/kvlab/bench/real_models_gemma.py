@@ -16,4 +16,4 @@ STUDY = Study(
               KVSetting("fp16", window=WINDOW, sinks=SINKS)),
     lengths=(512, 2048, 4096),
     passkey_first=("fp16", f"fp16 sink{SINKS}+win{WINDOW}", "kivi2", "int4", "fp8", "int8", "kivi4"),
-    calibration="gemma-3-270m.kvquant.safetensors")
+    calibration="gemma-3-270m.kvquant.safetensors", engine_runs="gemma3-engine_throughput.json")

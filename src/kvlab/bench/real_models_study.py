@@ -30,6 +30,7 @@ class Study:
     # measured first, so a report cut short by time still says the most
     passkey_first: tuple[str, ...] = ()
     calibration: Optional[str] = None  # its KVQuant codebooks' file, for studies with kvquant rows
+    engine_runs: str = "engine_throughput.json"  # its engine runs' file (real_models_throughput.FILE for SmolLM2)
 
 
 def summarise(store: dict, setting: KVSetting, study: Study) -> dict:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from kvlab.evals.setting import KVSetting
 from kvlab.files import write_json
 
 REQUESTS, INPUT_LEN, OUTPUT_LEN = 16, 128, 64
 POOL_BYTES = 512 * 2**20
-FILE = "engine_throughput.json"
+FILE = "engine_throughput.json"  # SmolLM2's runs (a study names its own: Study.engine_runs)
 
 
 def served(setting: KVSetting) -> bool:
@@ -39,8 +39,9 @@ def converted(setting: KVSetting) -> bool:
     return setting.kv_heads is not None or setting.mla_rank is not None
 
 
-def load(out: Path) -> dict:
-    path = out / FILE
+def load(out: Path, file: str = FILE) -> dict:
+    """A study's runs file (Study.engine_runs), or an empty one."""
+    path = out / file
     return json.loads(path.read_text()) if path.exists() else {"workload": workload(), "rows": {}}
 
 
@@ -49,14 +50,14 @@ def workload() -> dict:
             "kv_cache_memory": POOL_BYTES, "prompts": "random ids, dataset seed 0 (kvlab.bench.throughput)"}
 
 
-def pending(out: Path, settings: list[KVSetting]) -> list[KVSetting]:
-    done = load(out)["rows"]
+def pending(out: Path, settings: Sequence[KVSetting], file: str = FILE) -> list[KVSetting]:
+    done = load(out, file)["rows"]
     return [s for s in settings if served(s) and s.label not in done]
 
 
 def measure(out: Path, model_name: str, setting: KVSetting, threads: int, calibration: Optional[Path] = None,
-            dense=None) -> dict:
-    """One setting's run, added to engine_throughput.json (written atomically) and returned; a KVQuant setting
+            dense=None, file: str = FILE) -> dict:
+    """One setting's run, added to the study's runs file (written atomically) and returned; a KVQuant setting
     reads `calibration`, a converted one is built from `dense` (the model loaded with dense weights)."""
     import torch
 
@@ -64,16 +65,20 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int, calibr
     from kvlab.bench.throughput import random_prompts, run_engine, special_ids
     from kvlab.engine.engine import EngineConfig, LLMEngine
     from kvlab.engine.llm import load_for_engine
+    from kvlab.errors import KvlabError
 
     if converted(setting):
         from kvlab.evals.setting import build_model
         model, tokenizer = build_model(dense, setting), dense.tokenizer
     else:
         model, tokenizer = load_for_engine(model_name, threads=threads)
-    engine = LLMEngine(model, tokenizer, EngineConfig(
-        kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
-        kv_window=setting.window, sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
-        kv_calibration=str(calibration) if setting.is_kvquant and calibration else None))
+    try:
+        engine = LLMEngine(model, tokenizer, EngineConfig(
+            kv_cache_dtype=setting.kv_cache_dtype, kv_cache_memory=POOL_BYTES, max_num_seqs=REQUESTS,
+            kv_window=setting.window, sink_tokens=setting.sinks, pre_rope_keys=setting.pre_rope,
+            kv_calibration=str(calibration) if setting.is_kvquant and calibration else None))
+    except KvlabError as error:  # the engine refuses the setting: that is the cell (one line, kept)
+        return _store(out, file, setting, {"refused": str(error), "provenance": provenance(torch.get_num_threads())})
     prompts = random_prompts(REQUESTS + 1, INPUT_LEN, model.config.vocab_size, 0, special_ids(tokenizer))
     run_engine(engine, prompts[-1:], 4)  # a prompt of its own: the measured ones are not in the prefix cache
     figures = run_engine(engine, prompts[:-1], OUTPUT_LEN)
@@ -81,7 +86,11 @@ def measure(out: Path, model_name: str, setting: KVSetting, threads: int, calibr
     figures["block_size"] = engine.config.block_size
     figures["weights"] = model.packing
     figures["provenance"] = provenance(torch.get_num_threads())
-    doc = load(out)
+    return _store(out, file, setting, figures)
+
+
+def _store(out: Path, file: str, setting: KVSetting, figures: dict) -> dict:
+    doc = load(out, file)
     doc["rows"][setting.label] = figures
-    write_json(out / FILE, doc, indent=1)
+    write_json(out / file, doc, indent=1)
     return figures

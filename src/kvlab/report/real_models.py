@@ -19,17 +19,8 @@ from kvlab.bench.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, EVAL_T
                                            TRIALS, WINDOWS, change, fraction)
 from kvlab.files import write_atomic
 from kvlab.report import real_models_gemma as gemma
+from kvlab.report.real_models_engine import engine_cells
 from kvlab.report.markdown import table
-
-
-def cell(row: Optional[dict]) -> Optional[str]:
-    """The table's cell for one setting's run (a row of engine_throughput.json, None when not measured):
-    output tok/s and, where it was not the C step, the path."""
-    if row is None:
-        return None
-    notes = [] if row["decode_path"] == "fused C step" else [row["decode_path"]]
-    notes += ["dense weights"] if row.get("weights") == "dense" else []
-    return f"{row['output_tokens_per_s']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def uptrain_line(out: Path) -> str:
@@ -59,8 +50,7 @@ def table_cells(row: dict, base: Optional[dict], measured: dict) -> list[str]:
              "–" if ppl is None else f"{ppl:.3f}", *change(row, base),
              *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
     cells += [str(row["serving"][name]) for name in CARDS]
-    line = row["engine_capacity_line"]
-    return cells + ["–" if line is None else line.split(": ", 1)[-1], cell(measured.get(row["label"])) or "–"]
+    return cells + engine_cells(row, measured)
 
 
 def render(out: Path) -> Path:
@@ -130,7 +120,7 @@ def render(out: Path) -> Path:
                [[row["label"], *(fraction(row["passkey_by_length"][str(n)]) for n in LENGTHS),
                  *(fraction(row["passkey_by_seed"][str(s)]) for s in SEEDS)] for row in rows]),
     ]
-    lines += ["", *gemma.section(gemma_rows)]
+    lines += ["", *gemma.section(gemma_rows, throughput.load(out, GEMMA.engine_runs)["rows"])]
     notes = out / "notes.md"
     if notes.exists():
         lines += ["", notes.read_text().strip()]

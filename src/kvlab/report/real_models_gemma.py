@@ -5,9 +5,8 @@ one KV head and a 512-token window on 15 of its 18 layers, at 4,096-token passke
 only the three global layers can reach the key. The rows are SmolLM2's formats on the original
 model, KVQuant with its own calibration (pre-RoPE keys rotated on read with each layer's table:
 Gemma's sliding layers use RoPE base 10,000, its global ones 1,000,000), and a sinks + window
-policy that turns the global layers into windowed ones too. Not here: KV-head conversions (it has
-one KV head already), and the engine's columns (kvlab's engine refuses sliding-window models: its
-pool keeps every layer's blocks).
+policy that turns the global layers into windowed ones too, and the engine's two columns as SmolLM2's
+(kvlab.report.real_models_engine). Not here: KV-head conversions (it has one KV head already).
 """
 
 from __future__ import annotations
@@ -18,20 +17,23 @@ from kvlab.bench.real_models_gemma import SINKS, STUDY, WINDOW
 from kvlab.bench.real_models_study import (CARDS, CHUNK, CONTEXT, DEPTHS, OFFSET, SEEDS, SERVE_CONTEXT, TRIALS,
                                            WINDOWS, change, fraction)
 from kvlab.report.markdown import table
+from kvlab.report.real_models_engine import engine_cells
 
 
-def table_cells(row: dict, base: Optional[dict]) -> list[str]:
-    """One setting's row: bytes, perplexity against the fp16 row's, passkey by depth and by length, seats per card."""
+def table_cells(row: dict, base: Optional[dict], runs: dict) -> list[str]:
+    """One setting's row: bytes, perplexity against the fp16 row's, passkey by depth and by length, seats per card,
+    the engine's capacity line and throughput (`runs`: the study's engine runs by label)."""
     ppl = row["perplexity"]
     cells = [row["label"], f"{row['serving']['kv_bytes_per_sequence_8k'] / 2**20:.1f}",
              "–" if ppl is None else f"{ppl:.3f}", *change(row, base),
              *(fraction(row["passkey_by_depth"][f"{d:.1f}"]) for d in DEPTHS)]
     cells += [fraction(row["passkey_by_length"][str(n)]) for n in STUDY.lengths]
-    return cells + [str(row["serving"][name]) for name in CARDS]
+    return cells + [str(row["serving"][name]) for name in CARDS] + engine_cells(row, runs)
 
 
-def section(rows: list[dict]) -> list[str]:
-    """The report's Gemma 3 part: what was measured, then one table (rows from `summarise` + `serving`)."""
+def section(rows: list[dict], runs: dict) -> list[str]:
+    """The report's Gemma 3 part: what was measured, then one table (rows from `summarise` + `serving`, and the
+    engine runs by label)."""
     base = rows[0]
     per_length = TRIALS * len(SEEDS) * len(DEPTHS)
     return [
@@ -55,10 +57,13 @@ def section(rows: list[dict]) -> list[str]:
         "(the sliding ones keep their own 512), so every layer's cache is bounded.",
         f"- Seats: `kvlab plan gemma-3-270m --context {SERVE_CONTEXT} --gpu ...` with the row's cache dtype: "
         "what a server that drops a sliding layer's rows outside its window holds, in every format.",
-        "- Not measured, and why: KV-head conversions (it has one KV head) and the engine's columns "
-        "(kvlab's engine does not serve sliding-window layers yet).",
+        "- Engine: as SmolLM2's two columns, on the Q4_K_M GGUF in kvlab's engine (its pool holds the sliding and "
+        "global layers as two KV groups, and hands back what a window leaves behind). It refuses KIVI, KVQuant "
+        "and pre-RoPE pools on sliding layers (they keep every token's row): those cells give its one-line reason.",
+        "- Not measured, and why: KV-head conversions (it has one KV head).",
         "",
         *table(["KV setting", "KV MiB per 8k sequence", "perplexity", "vs fp16", "per window", "passkey d=0.1",
-                "d=0.5", "d=0.9", *(f"len {n}" for n in STUDY.lengths), *(f"seats {name}" for name in CARDS)],
-               [table_cells(row, base) for row in rows]),
+                "d=0.5", "d=0.9", *(f"len {n}" for n in STUDY.lengths), *(f"seats {name}" for name in CARDS),
+                "engine (256 MiB pool, 8k)", "engine tok/s, 16 concurrent"],
+               [table_cells(row, base, runs) for row in rows]),
     ]
