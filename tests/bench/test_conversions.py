@@ -87,3 +87,36 @@ def test_an_unfinished_uptraining_is_not_measured_as_uptrained(tmp_path, monkeyp
     conversions.Results(tmp_path / "results.json").put("uptrain:mqa", {"report": {}})
     conversions.run(60, only="quality:mqa:uptrained")
     assert measured == [("mqa", "uptrained")]
+
+
+def test_a_speed_cell_predicted_past_the_budget_is_skipped_with_the_larger_ones(monkeypatch):
+    """Real vLLM on 2 AVX2 cores took 225 s for four 1,024-token requests: 8 would take 450 s (run), 32 about
+    1,800 s (skipped, and 64 after it); the 128-token row runs whole."""
+    from kvlab.bench import peers, vllm_interop
+
+    clock, seconds = [0.0], {128: 10.0, 1024: 225.0}
+
+    class Running:
+        def __init__(self, start, port):
+            self.base_url, self.startup_s = f"http://127.0.0.1:{port}", 1.0
+
+        def stop(self):
+            pass
+
+    def bench(python, url, model, path, flags, requests, rate, concurrency, workdir):
+        length = int(flags[flags.index("--random-input-len") + 1])
+        clock[0] += seconds[length] * requests / 4
+        return {"median_ttft_ms": 1.0, "median_itl_ms": 1.0, "output_throughput": 1.0, "completed": requests}
+
+    monkeypatch.setattr(conversions_speed, "peer", lambda *a: object())
+    monkeypatch.setattr(peers, "Running", Running)
+    monkeypatch.setattr(peers, "free_ports", lambda n: [8000])
+    monkeypatch.setattr(vllm_interop, "run_vllm_bench", bench)
+    monkeypatch.setattr(vllm_interop, "reset_prefix_cache", lambda url: None)
+    monkeypatch.setattr(conversions_speed.time, "monotonic", lambda: clock[0])
+    grid = conversions_speed.run_grid("vllm", "DIR", "auto", (1, 4, 16, 32), (128, 1024), 64)
+    cells = grid["cells"]
+    assert all(cells[f"in128-c{c}"]["completed"] == max(4, 2 * c) for c in (1, 4, 16, 32))
+    assert cells["in1024-c4"]["seconds"] == 450.0
+    assert cells["in1024-c16"] == {"skipped": "predicted 1800 s (over 600 s)"} and "skipped" in cells["in1024-c32"]
+    assert "skipped" in render({"steps": {"speed:vllm:original:auto": grid}}, conversions.VARIANTS, [])

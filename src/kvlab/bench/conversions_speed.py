@@ -4,6 +4,11 @@ One server is started per (directory, KV cache dtype) and measured at every conc
 length of the grid, 2 x concurrency requests (at least 4) of random tokens each, OUTPUT_LEN tokens
 out (ignore_eos), its prefix cache reset before each cell. vLLM's CPU MLA backend caches only in the
 model's dtype: those cells record why, not a number. `kvlab serve` runs either attention, fp8 included.
+
+A cell predicted to run past CELL_BUDGET_S (the last cell of its prompt length's time, scaled by its
+requests) is skipped with that prediction, as are the larger ones after it: on a 2-core AVX2 machine real
+vLLM prefills a 1,024-token prompt in about 50 s, so its 64-request cell would take the best part of an
+hour, and the session's other steps would not run.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from typing import Sequence
 
 from kvlab.bench.conversions import KV_SPACE_GIB
 
+CELL_BUDGET_S = 600.0
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms", "output_throughput", "completed", "failed")
 
 
@@ -65,12 +72,22 @@ def run_grid(server: str, path: str, kv_dtype: str, concurrency: Sequence[int], 
         with tempfile.TemporaryDirectory(prefix="kvlab-conv-speed-") as workdir:
             for length in prompt_lens:
                 flags = dataset_flags("random", length, output_len, 0)[0]
+                last = None  # (requests, seconds) of this length's previous cell
                 for level in concurrency:
+                    requests = max(4, 2 * level)
+                    predicted = last[1] * requests / last[0] if last else 0.0
+                    if predicted > CELL_BUDGET_S:
+                        cells[f"in{length}-c{level}"] = {"skipped": f"predicted {predicted:.0f} s (over "
+                                                                    f"{CELL_BUDGET_S:.0f} s)"}
+                        continue
                     with contextlib.suppress(Exception):  # a cold prefix cache where the server can reset it
                         reset_prefix_cache(running.base_url)
+                    began = time.monotonic()
                     result = run_vllm_bench(vllm_python(None), running.base_url, "m", path, flags,
-                                            max(4, 2 * level), level, level, workdir)  # seed: fresh prompts per cell
-                    cells[f"in{length}-c{level}"] = {m: result.get(m) for m in METRICS}
+                                            requests, level, level, workdir)  # seed: fresh prompts per cell
+                    last = (requests, time.monotonic() - began)
+                    cells[f"in{length}-c{level}"] = {**{m: result.get(m) for m in METRICS},
+                                                     "seconds": round(last[1], 1)}
     finally:
         running.stop()
     return {"served": True, "startup_s": round(running.startup_s, 1), "cells": cells,

@@ -31,6 +31,8 @@ def _speed(cell: Optional[dict], grid: Optional[dict]) -> str:
         return "not served"
     if cell is None:
         return "–"
+    if "skipped" in cell:
+        return "skipped"
     if not cell.get("completed"):
         return "failed"
     return f"{cell['median_ttft_ms']:,.0f} / {cell['median_itl_ms']:,.0f} / {cell['output_throughput']:,.1f}"
@@ -98,7 +100,8 @@ def render(data: dict, variants, keys: list[str]) -> str:
                     "vLLM greedy = kvlab"], rows)
     lines += ["", "## Speed: `vllm bench serve` against each server", "",
               "Median TTFT ms / median ITL ms / output tok/s; random prompts of 128 or 1,024 tokens, 64 tokens out, "
-              "2 x concurrency requests (at least 4). Uptrained directories (speed does not depend on the weights' "
+              "2 x concurrency requests (at least 4); a cell predicted to run past 10 minutes (its prompt length's "
+              "last cell's time, scaled by its requests) is skipped, and the larger ones after it. Uptrained directories (speed does not depend on the weights' "
               "values). One run per cell on a shared 2-core machine: read ratios within a row, not absolutes.", ""]
     rows = []
     for server in ("vllm", "kvlab"):
