@@ -70,12 +70,12 @@ class KVPlane(ctypes.Structure):
 
 class LlamaLayer(ctypes.Structure):
     """llama_decode.h's llama_layer: one layer's descriptor (norms, RoPE tables, window, KV group, matrices,
-    cache; an MLA layer's attention kind, latent norm and up-projections)."""
+    cache; an MLA layer's attention kind, latent norm and up-projections; a window's sinks)."""
     _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("post_attn_norm", _ptr), ("post_mlp_norm", _ptr), ("rope_cos", _ptr), ("rope_sin", _ptr),
                 ("window", _int), ("group", _int), ("qkv", QStack), ("o", QMatrix),
                 ("gate_up", QStack), ("down", QMatrix), ("k", KVPlane), ("v", KVPlane),
-                ("attention", _int), ("latent_norm", _ptr), ("w_uk", _ptr), ("w_uv", _ptr)]
+                ("attention", _int), ("latent_norm", _ptr), ("w_uk", _ptr), ("w_uv", _ptr), ("sinks", _int)]
 
 
 class LlamaModel(ctypes.Structure):

@@ -65,18 +65,18 @@ def _attention(block, up: Optional[tuple]) -> tuple:
 
 def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dtype: int,
                  group_size: int = 0, num_layers: Optional[int] = None,
-                 layer_groups: Optional[list[tuple[int, Optional[int]]]] = None) -> tuple[LlamaModel, ctypes.Array]:
+                 layer_groups: Optional[list[tuple[int, Optional[int], int]]] = None) -> tuple[LlamaModel, ctypes.Array]:
     """The C model for `model` (why_not_model is None) whose layer i keeps K/V in sides[i].
 
-    `layer_groups[i]` is layer i's (KV group, window); by default one group and each layer's own
-    window. `num_layers` keeps only the first layers, then the final norm and LM head (a
+    `layer_groups[i]` is layer i's (KV group, window, sinks); by default one group and each layer's own
+    window, without sinks. `num_layers` keeps only the first layers, then the final norm and LM head (a
     self-draft). `up_weights[i]` is MLA layer i's (W_uk, W_uv) (mla_up_weights; made here when
     not given). Returns the struct and its layer array, which must outlive every call that uses
     the struct, as must the up-weights (the array holds them as `_keep`).
     """
     config = model.config
     blocks = list(model.blocks)[:num_layers] if num_layers else list(model.blocks)
-    layer_groups = layer_groups or [(0, config.window_of(i)) for i in range(len(blocks))]
+    layer_groups = layer_groups or [(0, config.window_of(i), 0) for i in range(len(blocks))]
     mla = config.attention == "mla"
     ups = [mla_up_weights(block) if mla else None for block in blocks]
 
@@ -89,8 +89,8 @@ def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dty
                    weight(getattr(block, "post_attn_norm", None)), weight(getattr(block, "post_mlp_norm", None)),
                    model.rope_for(i).cos.data_ptr(), model.rope_for(i).sin.data_ptr(), window or 0, group,
                    qkv, _qmatrix(block.attn.o), _qstack(block.mlp.gate_up), _qmatrix(block.mlp.down), k, v,
-                   kind, latent_norm, w_uk, w_uv)
-        for i, (block, (k, v), (group, window), up) in enumerate(zip(blocks, sides, layer_groups, ups))
+                   kind, latent_norm, w_uk, w_uv, sinks)
+        for i, (block, (k, v), (group, window, sinks), up) in enumerate(zip(blocks, sides, layer_groups, ups))
         for qkv, kind, latent_norm, w_uk, w_uv in [_attention(block, up)]))
     layers._keep = ups
     rope = model.rope
@@ -101,7 +101,7 @@ def llama_struct(model: Decoder, sides: list[tuple[KVPlane, KVPlane]], cache_dty
     else:
         heads, head_dim, query_scale, latent = config.kv_heads, config.head_size, config.query_scale or 0.0, (0, 0, 0)
     struct = LlamaModel(len(blocks), config.dim, config.n_heads, heads, head_dim,
-                        config.ffn_size, config.vocab_size, 1 + max(group for group, _ in layer_groups),
+                        config.ffn_size, config.vocab_size, 1 + max(group for group, _, _ in layer_groups),
                         rope.max_seq_len, int(rope.style == INTERLEAVED), cache_dtype, group_size,
                         ACTIVATIONS[config.mlp], config.norm_eps, query_scale, *latent, layers,
                         model.norm.weight.data_ptr(), _qmatrix(model.lm_head))

@@ -27,6 +27,10 @@ A KIVI pool (kivi4, kivi2: quantised tokens in blocks, the newest in an fp32 rin
 in place too (csrc/kivi_attend.h, kvlab.nn.kivi_step): each row also names its sequence's seat,
 and the step stores and reads what KiviPlanes stores and reads.
 
+A windowed group (a Gemma 3 sliding layer, or `--kv-window K --sink-tokens S` on any layer) reads
+only its window and its sinks: each layer's descriptor carries both (kvlab.cache.kv_groups), and the
+blocks the pool has handed back are never read.
+
 An MLA model's pool holds one latent row per token (kvlab.cache.pool: kv_heads 1, no values);
 the C step writes each row's latent and RoPE keys there and attends over them absorbed
 (csrc/mla_attend.h), in fp32, fp16, bf16 or fp8 pools.
@@ -94,15 +98,15 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
         return "the pool's rows are not this model's (MLA latents for an MLA model, K/V heads otherwise)"
     if pool.is_latent:
         return _why_not_latent(config, pool)
-    if any(group.sinks for group in pool.groups):
-        return "the C step does not run the sinks + window policy (--kv-window); its steps run module by module"
-    if any(pool.group(layer).window != config.window_of(layer) for layer in range(config.n_layers)):
+    if any(not _window_fits(pool.group(layer).window, config.window_of(layer)) for layer in range(config.n_layers)):
         return "the pool's windows are not the model's"
     if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
             (config.n_layers, config.kv_heads, config.head_size, config.head_size):
         return "the pool was not built for this model's layers, KV heads and head dim"
     if pool.compute_dtype != torch.float32:
         return "the pool must hand attention fp32 values, as the C step computes in fp32"
+    if pool.kvquant is not None and any(group.window for group in pool.groups):
+        return "the C step's KVQuant attention reads every position; under --kv-window its steps run module by module"
     if pool.kvquant is not None:
         return why_not_kvquant(pool)
     codes = [_cache_code(codec, config.head_size) for codec in pool.codecs]
@@ -111,6 +115,14 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
         return (f"the C step runs fp32, fp16, bf16, fp8, int8, int4 and int2 pools (groups of a multiple of 8 "
                 f"channels), one format for K and V, not {pool.kv_format.name}")
     return None
+
+
+def _window_fits(pool_window: Optional[int], model_window: Optional[int]) -> bool:
+    """Whether a layer's pool group attends as the model's layer may: its own window, or a narrower one
+    (`--kv-window`'s policy, with or without sinks: kvlab.cache.kv_groups.model_groups)."""
+    if pool_window == model_window:
+        return True
+    return pool_window is not None and (model_window is None or pool_window < model_window)
 
 
 def _why_not_latent(config, pool: KVPool) -> Optional[str]:
@@ -172,7 +184,8 @@ class PagedDecodeStep:
         code = _cache_code(codec, pool.k_head_dim) if codec is not None else None
         if pool.kivi is not None:
             code, group_size = CACHE_KIVI_BITS[pool.kv_format.bits], pool.kv_format.group_size
-        layer_groups = [(pool.group_of[layer], pool.group(layer).window) for layer in range(pool.num_layers)]
+        layer_groups = [(pool.group_of[layer], pool.group(layer).window, pool.group(layer).sinks)
+                        for layer in range(pool.num_layers)]
         if pool.kvquant is not None:
             code = CACHE_KVQUANT
         self._struct, self._layers = llama_struct(model, sides, code, group_size, num_layers, layer_groups)

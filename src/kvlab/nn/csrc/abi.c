@@ -30,6 +30,7 @@ static const abi_entry ABI[] = {
     FIELD(llama_layer, group), FIELD(llama_layer, qkv), FIELD(llama_layer, o), FIELD(llama_layer, gate_up),
     FIELD(llama_layer, down), FIELD(llama_layer, k), FIELD(llama_layer, v), FIELD(llama_layer, attention),
     FIELD(llama_layer, latent_norm), FIELD(llama_layer, w_uk), FIELD(llama_layer, w_uv),
+    FIELD(llama_layer, sinks),
     SIZE(llama_model), FIELD(llama_model, n_layers), FIELD(llama_model, dim), FIELD(llama_model, n_heads),
     FIELD(llama_model, n_kv_heads), FIELD(llama_model, head_dim), FIELD(llama_model, hidden),
     FIELD(llama_model, vocab), FIELD(llama_model, n_groups), FIELD(llama_model, rope_len),

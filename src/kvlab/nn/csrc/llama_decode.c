@@ -48,9 +48,9 @@ typedef struct {
     float *mla_rows; /* MLA: per thread, MLA_SUB cached rows widened to fp32 */
     int *kvq_off;    /* KVQuant: each attention unit's first slot in its seat's key outliers (kvquant_attend.h) */
     qacts qa; /* the activations of the next product, quantised */
-    /* Per attention window of the model (MAX_LAYOUTS at most, full attention being window 0):
+    /* Per attention window (and its sinks) of the model (MAX_LAYOUTS at most, full attention being window 0):
      * row r's units are unit_first[L][r] .. unit_first[L][r + 1] - 1, unit_row[L][u] their row. */
-    int layouts, layout_window[MAX_LAYOUTS];
+    int layouts, layout_window[MAX_LAYOUTS], layout_sinks[MAX_LAYOUTS];
     int *unit_first[MAX_LAYOUTS], *unit_row[MAX_LAYOUTS];
     int *unit_table; /* where both live: MAX_LAYOUTS x (rows + 1) firsts, then every layout's rows */
     int layout;      /* the layer being run's */
@@ -64,6 +64,20 @@ typedef struct {
 static inline int first_seen(int pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
 
 static inline int chunks_at(int pos, int window) { return pos / CHUNK - first_seen(pos, window) / CHUNK + 1; }
+
+/* The sink positions a query at `pos` sees besides its window (0 .. sink_end - 1: those the window has
+ * left behind), and the chunks they take: the window's chunks come after them. */
+static inline int sink_end(int pos, int window, int sinks) {
+    const int first = first_seen(pos, window);
+    return sinks < first ? sinks : first;
+}
+
+static inline int sink_chunks(int pos, int window, int sinks) { return (sink_end(pos, window, sinks) + CHUNK - 1) / CHUNK; }
+
+/* A row's attention chunks in a layout: its sinks' and its window's. */
+static inline int layout_chunks(const scratch *s, int L, int pos) {
+    return sink_chunks(pos, s->layout_window[L], s->layout_sinks[L]) + chunks_at(pos, s->layout_window[L]);
+}
 
 /* y = x / rms(x) * w over n values (w NULL: no weight), in place when y == x. */
 static void rms_norm(const float *x, const float *w, int n, float eps, float *y) {
@@ -471,11 +485,19 @@ static inline __attribute__((always_inline)) void attend_chunk(const llama_model
                                                               int width, scratch *s, const int dtype) {
     const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
     const int L = s->layout, window = s->layout_window[L];
-    const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = chunks_at(pos, window);
+    const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = layout_chunks(s, L, pos);
     const int local = unit - s->unit_first[L][r], kvh = local / chunks;
-    const int first = first_seen(pos, window), ch = first / CHUNK + local % chunks;
-    const int start = ch * CHUNK > first ? ch * CHUNK : first;
-    const int end = (ch + 1) * CHUNK <= pos + 1 ? (ch + 1) * CHUNK : pos + 1;
+    const int sunk = sink_chunks(pos, window, s->layout_sinks[L]), at_chunk = local % chunks;
+    int start, end;
+    if (at_chunk < sunk) { /* a chunk of the sinks the window has left behind */
+        const int stop = sink_end(pos, window, s->layout_sinks[L]);
+        start = at_chunk * CHUNK;
+        end = (at_chunk + 1) * CHUNK < stop ? (at_chunk + 1) * CHUNK : stop;
+    } else {
+        const int first = first_seen(pos, window), ch = first / CHUNK + at_chunk - sunk;
+        start = ch * CHUNK > first ? ch * CHUNK : first;
+        end = (ch + 1) * CHUNK <= pos + 1 ? (ch + 1) * CHUNK : pos + 1;
+    }
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
     chunk_rows c;
     c.len = end - start, c.d = d;
@@ -553,7 +575,7 @@ static void merge_partials(const scratch *s, size_t first, size_t stride, int ch
 /* Query head h of row r: merge its chunks' partials into softmax(q k / sqrt(d)) v. */
 static void combine_heads(const llama_model *m, const paged_view *v, int r, int h, const scratch *s, float *out) {
     const int L = s->layout, d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv;
-    const int chunks = chunks_at(v->positions[r], s->layout_window[L]), kvh = h / group, j = h % group;
+    const int chunks = layout_chunks(s, L, v->positions[r]), kvh = h / group, j = h % group;
     const size_t first = ((size_t)s->unit_first[L][r] + (size_t)kvh * chunks) * group + j; /* unit (r, kvh, 0), head j */
     merge_partials(s, first, group, chunks, d, out);
 }
@@ -574,10 +596,10 @@ static void add_post_normed(float *x, float *sub, const float *w, int rows, int 
     }
 }
 
-/* The layout (MAX_LAYOUTS) of a layer's window: every thread finds the same one. */
-static int layout_of(const scratch *s, int window) {
+/* The layout (MAX_LAYOUTS) of a layer's window and sinks: every thread finds the same one. */
+static int layout_of(const scratch *s, int window, int sinks) {
     for (int L = 0; L < s->layouts; L++)
-        if (s->layout_window[L] == window) return L;
+        if (s->layout_window[L] == window && s->layout_sinks[L] == sinks) return L;
     return 0; /* unreachable: llama_paged_step made one per window */
 }
 
@@ -658,7 +680,7 @@ static void layer_locals(const llama_layer *l, const paged_view *view, const scr
     *lv = *view;
     lv->tables = view->block_tables + (size_t)l->group * view->rows * view->max_blocks;
     *ls = *shared;
-    ls->layout = layout_of(shared, l->window);
+    ls->layout = layout_of(shared, l->window, l->sinks);
 }
 
 static void layer_step(const llama_model *m, const llama_layer *l, const paged_view *view, float *x,
@@ -815,8 +837,11 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
         (cache_grouped(m->cache_dtype) && (m->group_size < 1 || (m->group_size < m->head_dim && m->group_size % 8))) ||
         (m->activation != ACT_SWIGLU && m->activation != ACT_GEGLU))
         return -4;
-    for (int i = 0; i < m->n_layers; i++)
-        if (m->layers[i].group < 0 || m->layers[i].group >= m->n_groups || m->layers[i].window < 0) return -2;
+    for (int i = 0; i < m->n_layers; i++) {
+        const llama_layer *l = &m->layers[i];
+        if (l->group < 0 || l->group >= m->n_groups || l->window < 0 || l->sinks < 0) return -2;
+        if (l->sinks && (!l->window || l->attention != ATTN_GQA || cache_kivi(m->cache_dtype) || m->kvq)) return -4;
+    }
     const int status = cache_kivi(m->cache_dtype) ? check_kivi(m, rows, positions, block_size) : check_mla(m);
     if (status) return status;
     for (int i = 0; i < m->n_layers; i++) {
@@ -826,6 +851,8 @@ static int check_step(const llama_model *m, int rows, const int32_t *positions, 
             if (pos < 0 || pos >= m->rope_len || pos / block_size >= max_blocks) return -2;
             const int32_t *table = block_tables + ((size_t)g * rows + r) * max_blocks;
             for (int b = first_seen(pos, window) / block_size; b <= pos / block_size; b++)
+                if (table[b] < 0 || table[b] >= num_blocks) return -2;
+            for (int b = 0; b * block_size < sink_end(pos, window, m->layers[i].sinks); b++)
                 if (table[b] < 0 || table[b] >= num_blocks) return -2;
         }
     }
@@ -840,16 +867,17 @@ static int step_scratch(const llama_model *m, int rows, const int32_t *positions
     s.layouts = 0; /* one attention layout per distinct window of the model's layers */
     for (int i = 0; i < m->n_layers; i++) {
         int L = 0;
-        while (L < s.layouts && s.layout_window[L] != m->layers[i].window) L++;
+        while (L < s.layouts && (s.layout_window[L] != m->layers[i].window || s.layout_sinks[L] != m->layers[i].sinks)) L++;
         if (L == s.layouts) {
             if (s.layouts == MAX_LAYOUTS) return -4;
-            s.layout_window[s.layouts++] = m->layers[i].window;
+            s.layout_window[s.layouts] = m->layers[i].window;
+            s.layout_sinks[s.layouts++] = m->layers[i].sinks;
         }
     }
     int units = 0, all_units = 0; /* the widest layout's units (scratch is per layer), and all layouts' */
     for (int L = 0; L < s.layouts; L++) {
         int n = 0;
-        for (int r = 0; r < rows; r++) n += unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
+        for (int r = 0; r < rows; r++) n += unit_heads(m) * layout_chunks(&s, L, positions[r]);
         units = n > units ? n : units;
         all_units += n;
     }
@@ -861,7 +889,7 @@ static int step_scratch(const llama_model *m, int rows, const int32_t *positions
         s.unit_row[L] = s.unit_table + (size_t)MAX_LAYOUTS * (rows + 1) + used;
         s.unit_first[L][0] = 0;
         for (int r = 0; r < rows; r++) {
-            s.unit_first[L][r + 1] = s.unit_first[L][r] + unit_heads(m) * chunks_at(positions[r], s.layout_window[L]);
+            s.unit_first[L][r + 1] = s.unit_first[L][r] + unit_heads(m) * layout_chunks(&s, L, positions[r]);
             for (int u = s.unit_first[L][r]; u < s.unit_first[L][r + 1]; u++) s.unit_row[L][u] = r;
         }
         used += s.unit_first[L][rows];

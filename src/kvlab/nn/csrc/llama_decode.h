@@ -97,7 +97,8 @@ typedef struct {
     const float *q_norm, *k_norm;                /* [head_dim]: RMSNorm of each query/key head before RoPE, or NULL */
     const float *post_attn_norm, *post_mlp_norm; /* [dim]: RMSNorm of each sub-block's output before the residual add, or NULL */
     const float *rope_cos, *rope_sin;            /* [rope_len, head_dim]: this layer's tables, sin signed (kvlab.nn.rope) */
-    int window;                                  /* 0: full attention; W: a query at t sees keys t - W < p <= t */
+    int window;                                  /* 0: full attention; W: a query at t sees keys t - W < p <= t
+                                                    (and p < sinks, below) */
     int group;                                   /* which block table (KV group) holds this layer's K/V */
     qstack qkv;                                  /* [(n_heads + 2 n_kv_heads) head_dim, dim]: Q rows, K rows, V rows */
     qmatrix o;                                   /* [dim, n_heads head_dim] */
@@ -112,6 +113,8 @@ typedef struct {
     const float *latent_norm;  /* MLA: [kv_lora_rank] RMSNorm of the latent before it is cached, or NULL */
     const float *w_uk;         /* MLA: [n_heads, qk_nope_dim, kv_lora_rank], folded into each query; NULL iff qk_nope_dim is 0 */
     const float *w_uv;         /* MLA: [n_heads, head_dim, kv_lora_rank]: each head's output from its attended latent */
+    int sinks;                 /* with a window: positions 0 .. sinks - 1 stay visible to every query (StreamingLLM's
+                                  sinks, `--kv-window K --sink-tokens S`); 0 otherwise. GQA layers only */
 } llama_layer;
 
 /* The model and the cache's format; how many rows a step runs and where they sit in the cache
