@@ -31,8 +31,8 @@ def add_parsers(benches) -> None:
                    help="start no cell after this many seconds (default 540; 0 only tabulates and renders)")
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     p.add_argument("--only", help="run only the steps whose key starts with one of these comma-separated prefixes: "
-                   "smollm2:LABEL (a row's quality cells), throughput:LABEL (its engine run), uptrain, gemma:LABEL "
-                   "(e.g. throughput:kivi,throughput:kvquant); the table is tabulated and rendered as always")
+                   "smollm2:LABEL (a row's quality cells), throughput:LABEL (its engine run), uptrain, gemma:LABEL, "
+                   "gemma-throughput:LABEL (e.g. throughput:kivi,throughput:kvquant); the table is tabulated and rendered as always")
     p.set_defaults(run=run_real_models)
 
     p = benches.add_parser("kvquant-split", help=KVQUANT_SPLIT, description=KVQUANT_SPLIT)
