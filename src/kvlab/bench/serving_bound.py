@@ -9,7 +9,10 @@ of its C step, measured here on the engine's own pool (interleaved; each the fas
 figure most favourable to the target, since this is a ceiling):
 - prefill: milliseconds per prompt token, with the workload's prompts going through in one call (the most
   rows per call and the cheapest per token) and one prompt per call;
-- decode: milliseconds per step at s rows, one token per sequence, at the context the workload decodes at.
+- decode: milliseconds per step at s rows, one token per sequence, at the context the workload decodes at;
+  and the same steps without the LM head (no row asks for scores) and the greedy pick over their scores (an argmax
+  per row), so the step splits into layers, LM head and sampling. A large vocabulary moves the split: Gemma 3's
+  262,144-row head is most of a 16-row step, SmolLM2's 49,152 rows a fifth.
 
 `schedule_bounds` turns them into the best each number of seats s can do when prompts are prefilled in one
 call and sequences decode in groups of s, as `--max-num-seqs s` runs them: every decode step then costs
@@ -52,15 +55,19 @@ def measure_costs(model, tokenizer, requests: int = 16, input_len: int = 128, ou
     return {"requests": requests, "input_len": input_len, "output_len": output_len, "kv_cache_dtype": kv_cache_dtype,
             "decode_position": input_len + output_len // 2, "repetitions": repetitions, "seed": seed,
             "prefill_ms_per_token": {str(n): ms[("prefill", n)] / (n * input_len) for n in sorted({1, requests})},
-            "decode_step_ms": {str(n): ms[("decode", n)] for n in rows}}
+            "decode_step_ms": {str(n): ms[("decode", n)] for n in rows},
+            "decode_layers_ms": {str(n): ms[("layers", n)] for n in rows},
+            "greedy_pick_ms": {str(n): ms[("pick", n)] for n in rows}}
 
 
 def workload_steps(model, tokenizer, requests: int, input_len: int, output_len: int, kv_cache_dtype: str,
                    rows: tuple[int, ...], seed: int = 0):
     """(engine, calls): calls[("prefill", n)] runs n of the workload's prompts through the C step in one call,
-    calls[("decode", n)] one decode step of n rows at the middle of its decode; each call run once (its K/V
-    written). The engine owns the pool the calls write into: keep it while they run. (None, {}) where the model
-    has no C paged step."""
+    calls[("decode", n)] one decode step of n rows at the middle of its decode, calls[("layers", n)] the same step
+    with no row's scores asked for (no LM head), calls[("pick", n)] the greedy pick over that step's scores; each
+    call run once (its K/V written). Each sequence holds its own blocks in every KV group of the pool (Gemma 3's
+    sliding and global layers). The engine owns the pool the calls write into: keep it while they run. (None, {})
+    where the model has no C paged step."""
     from kvlab.bench.throughput import random_prompts
     from kvlab.engine import EngineConfig, LLMEngine
 
@@ -72,24 +79,32 @@ def workload_steps(model, tokenizer, requests: int, input_len: int, output_len: 
         return None, {}
     seqs = max(requests, *rows)
     per_seq = -(-context // engine.pool.block_size)
-    if seqs * per_seq > engine.pool.num_blocks:
-        raise ValueError(f"{seqs} sequences of {context} tokens need {seqs * per_seq} blocks; the pool has "
-                         f"{engine.pool.num_blocks}")
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
+    groups = len(engine.pool.groups)
+    if groups * seqs * per_seq > engine.pool.num_blocks:
+        raise ValueError(f"{seqs} sequences of {context} tokens in {groups} KV groups need {groups * seqs * per_seq} "
+                         f"blocks; the pool has {engine.pool.num_blocks}")
+    tables = [[list(range((g * seqs + i) * per_seq, (g * seqs + i + 1) * per_seq)) for i in range(seqs)]
+              for g in range(groups)]
     prompts = random_prompts(seqs, input_len, model.config.vocab_size, seed)
     position = input_len + output_len // 2  # the middle of the workload's decode
 
+    def first(n: int) -> list:
+        return [group[:n] for group in tables]
+
     def prefill(n: int):
-        return lambda: step.feeds(prompts[:n], [0] * n, tables[:n],
+        return lambda: step.feeds(prompts[:n], [0] * n, first(n),
                                   logit_rows=[input_len * (i + 1) - 1 for i in range(n)])
 
-    def decode(n: int):
-        return lambda: step.feeds([[p[0]] for p in prompts[:n]], [position] * n, tables[:n])
+    def decode(n: int, logit_rows: Optional[list[int]] = None):
+        return lambda: step.feeds([[p[0]] for p in prompts[:n]], [position] * n, first(n), logit_rows=logit_rows)
 
     calls = {("prefill", n): prefill(n) for n in sorted({1, requests})}
     calls.update({("decode", n): decode(n) for n in rows})
+    calls.update({("layers", n): decode(n, []) for n in rows})
     for call in calls.values():  # warm-up: the arena's growth, and every row's K/V written before it is read
         call()
+    scores = {n: calls[("decode", n)]() for n in rows}
+    calls.update({("pick", n): (lambda logits: lambda: logits.argmax(dim=-1).tolist())(scores[n]) for n in rows})
     return engine, calls
 
 
@@ -143,7 +158,10 @@ def run_command(args: argparse.Namespace) -> int:
     print(f"prefill: {prefill[str(args.requests)]:.3f} ms per token with {args.requests} prompts of {args.input_len} "
           f"in one call ({1e3 / prefill[str(args.requests)]:.0f} tok/s), {prefill['1']:.3f} with one")
     for bound in schedule_bounds(costs):
-        print(f"{bound['seats']:>2} seats: step {bound['step_ms']:6.2f} ms, run at least {bound['duration_s']:.2f} s, "
+        seats = str(bound["seats"])
+        layers, pick = costs["decode_layers_ms"][seats], costs["greedy_pick_ms"][seats]
+        print(f"{bound['seats']:>2} seats: step {bound['step_ms']:6.2f} ms (layers {layers:.2f}, LM head "
+              f"{bound['step_ms'] - layers:.2f}; greedy pick {pick:.2f} more), run at least {bound['duration_s']:.2f} s, "
               f"at most {bound['output_throughput']:.1f} output tok/s")
     result = {"benchmark": "serving_bound", "model": args.model, "weights": args.weights, **costs,
               "provenance": provenance(args.threads)}

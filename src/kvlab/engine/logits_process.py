@@ -57,8 +57,8 @@ class LogitsProcessor:
 
     def apply(self, logits: torch.Tensor, seqs: Sequence) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(logits to sample from, logits for log-probabilities or None when those are the same) for one
-        step's sampled rows [rows, vocab], row i belonging to seqs[i]. `logits` is the caller's own copy
-        (the runner gathers the sampled rows into a new tensor): it is changed in place."""
+        step's sampled rows [rows, vocab], row i belonging to seqs[i]. `logits` is the caller's own (the runner's
+        gathered rows, or the step's scores themselves where every row is sampled): it is changed in place."""
         rows = [i for i, seq in enumerate(seqs) if seq.params.processed]
         if not rows:
             return logits, None

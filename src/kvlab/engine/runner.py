@@ -169,7 +169,11 @@ class ModelRunner:
                 if seq.num_computed == seq.num_tokens:
                     plain.append(i)
         if plain:
-            chosen, raw = logits[[rows[i][-1] for i in plain]], None
+            picked = [rows[i][-1] for i in plain]
+            # a plain decode step samples every row in order: its own logits tensor, not a gathered copy
+            # (16 rows of Gemma 3's 262,144 scores are 16 MiB copied per step for nothing)
+            whole = picked == list(range(logits.shape[0]))
+            chosen, raw = (logits if whole else logits[picked]), None
             if self.logits_processor is not None:
                 chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
             drawn = sample_rows(chosen, [seqs[i].params for i in plain],

@@ -83,3 +83,40 @@ def gemma_section(result: Optional[dict], table_lines: list[str]) -> list[str]:
                      f"({best['name']}, {best['output_throughput']:.1f} output tok/s); target {target:g}x: "
                      f"{'met' if ratio >= target else 'NOT met'}.")
     return lines + [""]
+
+
+def gemma_bound_lines(bound: Optional[dict], compare: Optional[dict]) -> list[str]:
+    """Where Gemma 3's serving time goes (`kvlab bench serving-bound` on it: prefill per token, each decode step
+    split into layers, LM head and greedy pick) and the fastest run of the workload those costs allow: the ceiling
+    the 2x target is held against, as a ratio to the best peer of the compare run (two runs, so a guide)."""
+    lines = ["### Where Gemma 3's time goes", ""]
+    if bound is None:
+        return lines + ["Not measured yet: `PIECES=boundgemma scripts/serving_report.sh`.", ""]
+    from kvlab.bench.serving_bound import schedule_bounds
+
+    requests = bound["requests"]
+    per_token = bound["prefill_ms_per_token"][str(requests)]
+    lines += [f"`kvlab bench serving-bound --model gemma-3-270m --weights {bound.get('weights', 'gguf')} --output-len "
+              f"{bound['output_len']}`: the C step's costs, each the fastest of {bound['repetitions']} interleaved "
+              f"repetitions, measured at {provenance_text(bound)}. Prefill: {per_token:.2f} ms per prompt token with "
+              f"{requests} prompts of {bound['input_len']} in one call. Decode steps at position "
+              f"{bound['decode_position']}, in ms:", "",
+              "| rows | step | layers | LM head | greedy pick |", "|---:|---:|---:|---:|---:|"]
+    for rows, step in sorted(((int(n), ms) for n, ms in bound["decode_step_ms"].items())):
+        layers, pick = bound["decode_layers_ms"][str(rows)], bound["greedy_pick_ms"][str(rows)]
+        lines.append(f"| {rows} | {step:.1f} | {layers:.1f} | {step - layers:.1f} | {pick:.1f} |")
+    best = next((b for b in schedule_bounds(bound) if b["seats"] == requests), None)
+    peer = None
+    for cell in (compare or {}).get("cells", []):
+        if cell["max_concurrency"] == requests and cell["best_peer"]:
+            peer = cell["best_peer"]
+    if best is not None:
+        ceiling = f"{best['output_throughput']:.1f} output tok/s"
+        if peer is not None:
+            ceiling += (f", {best['output_throughput'] / peer['output_throughput']:.2f}x {peer['name']}'s "
+                        f"{peer['output_throughput']:.1f} in the run above")
+        lines += ["", f"With these costs and nothing else (no HTTP, sampling or detokenising, no client on the same "
+                      f"cores) the workload at concurrency {requests} takes at least {best['duration_s']:.2f} s "
+                      f"({best['prefill_s']:.2f} s of prefill, then {bound['output_len'] - 1} steps of "
+                      f"{best['step_ms']:.1f} ms): at most {ceiling}."]
+    return lines + [""]

@@ -20,7 +20,7 @@ from kvlab.files import write_atomic
 from kvlab.report.markdown import table
 from kvlab.report.serving_cells import provenance_text, run_of
 from kvlab.report.serving_fields import lm_eval_lines, plain_lines, structured_lines
-from kvlab.report.serving_llama_server import gemma_section, llama_server_section
+from kvlab.report.serving_llama_server import gemma_bound_lines, gemma_section, llama_server_section
 from kvlab.report.serving_target import bound_lines, seats_lines, target_lines
 
 
@@ -241,6 +241,7 @@ def render(folder: Path) -> str:
                                       piece)
     gemma = _load(folder, "compare_gemma.json")
     lines += gemma_section(gemma, compare_table(gemma) if gemma else [])
+    lines += gemma_bound_lines(_load(folder, "serving_bound_gemma.json"), gemma)
     a8 = _load(folder, "compare_a8.json")
     lines += variant_section(a8, "int8 activations (`--weights gguf-a8`) against llama.cpp's serialised server",
                              "`kvlab serve --kv-cache-dtype fp16 --weights gguf-a8` (`kvlab`): the 4-bit blocks' "

@@ -932,7 +932,7 @@ int llama_paged_step(const llama_model *m, int rows, const int32_t *positions, c
                      float *logits, float *hidden, kvlab_arena *arena) {
     const int status = check_step(m, rows, positions, block_tables, max_blocks, block_size, num_blocks);
     if (status) return status;
-    if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows)) return -2;
+    if (n_logits < 0 || n_logits > rows || (!logit_rows && n_logits != rows && n_logits != 0)) return -2;
     for (int i = 0; logit_rows && i < n_logits; i++)
         if (logit_rows[i] < (i ? logit_rows[i - 1] + 1 : 0) || logit_rows[i] >= rows) return -2;
     scratch s;
