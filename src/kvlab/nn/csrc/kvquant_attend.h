@@ -1,15 +1,16 @@
 /* KVQuant attention in the C step (kvquant.h): each row's keys and values written (kvquant_write.h),
  * then attention over the seat's sinks and the blocks' rows.
  *
- * Reads. Keys are cached before RoPE. Rotating each key once after decoding it costs a rotation
+ * Keys are cached before RoPE. Rotating each key once after decoding it costs a rotation
  * per key per KV head; rotating the query back instead (score = (R(p)^T q) . k) costs one per key
  * per query head, which is `group` times as many: so a key is decoded (its codes looked up in the
- * 8- or 16-entry codebook with vpermps, times its channel's range plus zero), its outliers put in
- * place, rotated with its position's table and dotted with every query head of its group. A
- * query-folded table (q_c T_c[code]) would skip the decode but not the rotation, which mixes
- * channels differently at every position. Values are decoded the same way (codebook times the
- * row's scale plus its zero, outliers in place) once for the group's heads. Sink tokens are fp16
- * rows in the seat, read as they are.
+ * 8- or 16-entry codebook, times its channel's range plus zero), its outliers put in place, rotated
+ * with its position's table and dotted with every query head of its group. A query-folded table
+ * (q_c T_c[code]) would skip the decode but not the rotation, which mixes channels differently at
+ * every position. Values are decoded the same way once for the group's heads. Sink tokens are fp16
+ * rows in the seat, read as they are. 4-bit rows of 64-channel heads are looked up 32 codes at a
+ * time with vpshufb (kvquant_nibbles.h), the rest eight at a time with vpermps; a row's outliers are
+ * corrections added after its dense dot products and sums.
  */
 #ifndef KVLAB_KVQUANT_ATTEND_H
 #define KVLAB_KVQUANT_ATTEND_H
@@ -174,6 +175,8 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
             kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 2);     \
     } while (0)
 
+#include "kvquant_nibbles.h" /* the 4-bit fast path: it uses the helpers above */
+
 /* One attention unit (row, KV head, chunk) of a KVQuant layer: each query head's softmax partials, as
  * attend_chunk leaves them for combine_heads. `bits` is fixed per instance, so the lookups are constant.
  * The fast path (kvq_fast_keys, kvq_fast_values) takes every row past the sinks where the tables are
@@ -198,6 +201,11 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
         const size_t base = ((size_t)table[p / bs] * hkv + kvh) * bs;
         const int offset = p % bs, run = kvq_min(bs - offset, start + len - p);
         for (int u = 0; u < run; u++) slots[p - start + u] = base + offset + u;
+        for (int u = 0; u < run; u += 64) { /* the run's counts and value outliers: asked for now, read in the loops */
+            _mm_prefetch((const char *)(kl->k_counts + base + offset + u), _MM_HINT_T0);
+            _mm_prefetch((const char *)(kl->v_outlier_index + (base + offset + u) * nv), _MM_HINT_T0);
+            for (int b = 0; b < 2 * nv; b++) _mm_prefetch((const char *)(kl->v_outliers + (base + offset + u) * nv) + 64 * b, _MM_HINT_T0);
+        }
         int u = 0; /* the run's value scales and zeros, eight at a time */
         for (; u + 8 <= run; u += 8) {
             _mm256_storeu_ps(vs + p - start + u, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kl->v_scale + base + offset + u))));
@@ -245,7 +253,19 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
             scores[(size_t)j * CHUNK + t] = hsum(acc) * scale;
         }
     }
-    if (fast)
+    const int nib = fast && bits == 4 && d == 64; /* kvquant_nibbles.h: SmolLM2's and most small models' heads */
+    uint8_t perm[128], inv[128];
+    kvq_nib_book k_nib, v_nib;
+    if (nib) {
+        kvq_nib_order(d, perm, inv);
+        k_nib = kvq_nib_book_of(kl->k_codebook), v_nib = kvq_nib_book_of(kl->v_codebook);
+        float q_nib[group * d], range_nib[d], zero_nib[d];
+        for (int j = 0; j < group; j++) kvq_nib_permute(q + (size_t)j * d, d, perm, q_nib + (size_t)j * d);
+        kvq_nib_permute(range, d, perm, range_nib), kvq_nib_permute(zero, d, perm, zero_nib);
+        FOR_HEAD_PACK(group, kvq_nib_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, 64, perm, inv,
+                      range_nib, zero_nib, range, zero, k_book, &k_nib, q_nib, q, scale, kc->capacity, k_out, k_index,
+                      off, scores)
+    } else if (fast)
         FOR_HEAD_PACK(group, kvq_fast_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, d, range, zero, k_book,
                       k_lo, k_hi, q, scale, kc->capacity, k_out, k_index, off, scores, bits)
     for (int j = 0; j < group; j++) { /* softmax partials, as attend_heads leaves them */
@@ -288,8 +308,18 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
                 _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kr + c), _mm256_loadu_ps(o + c)));
         }
     }
-    if (fast) {
+    if (nib) { /* the rows' scales folded into the weights, their zeros added once: sum_t w_t z_t */
+        float w[group * CHUNK];
+        for (int j = 0; j < group; j++) {
+            const float *sh = scores + (size_t)j * CHUNK;
+            float *wj = w + (size_t)j * CHUNK, zsum = 0.0f;
+            for (int t = t0; t < len; t++) wj[t] = sh[t] * vs[t], zsum += sh[t] * vz[t];
+            for (int c = 0; c < d; c++) out[(size_t)j * d + c] += zsum;
+        }
+        FOR_HEAD_PACK(group, kvq_nib_values, kl, slots, t0, len, 64, &v_nib, w, out)
+    } else if (fast)
         FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, vs, vz, v_lo, v_hi, scores, out, bits)
+    if (fast) {
         for (int t = t0; t < len; t++) { /* each row's outliers: value - dense value, weighted */
             const size_t slot = slots[t];
             const uint8_t *row = kl->v_codes + slot * rb;
