@@ -75,6 +75,27 @@ static inline int kvq_code_at(const uint8_t *row, int c, int bits) {
     return (word >> shift) & ((1 << bits) - 1);
 }
 
+/* scores[j][t] = (sum of lanes[j][t]'s 8 lanes + fix[j][t]) * scale for t0 <= t < len: a token's dot products
+ * are left as vectors by the key loops and added up eight tokens at a time (a transpose by horizontal adds),
+ * where one horizontal sum a token and head cost as much as a fifth of the token's key. */
+static inline __attribute__((always_inline)) void kvq_reduce_scores(float lanes[][CHUNK][8], float fix[][CHUNK], int t0,
+                                                                   int len, float scale, float *scores, const int GH) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int j = 0; j < GH; j++) {
+        int t = t0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 h01 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t]), _mm256_loadu_ps(lanes[j][t + 1]));
+            const __m256 h23 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 2]), _mm256_loadu_ps(lanes[j][t + 3]));
+            const __m256 h45 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 4]), _mm256_loadu_ps(lanes[j][t + 5]));
+            const __m256 h67 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 6]), _mm256_loadu_ps(lanes[j][t + 7]));
+            const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            _mm256_storeu_ps(scores + (size_t)j * CHUNK + t, _mm256_mul_ps(_mm256_add_ps(sums, _mm256_loadu_ps(fix[j] + t)), sc));
+        }
+        for (; t < len; t++) scores[(size_t)j * CHUNK + t] = (hsum(_mm256_loadu_ps(lanes[j][t])) + fix[j][t]) * scale;
+    }
+}
+
 /* The fast path's key scores (rope_halves, at most 4 query heads a KV head): scores[j][t] for t0 <= t < len.
  * A key is decoded, rotated and dotted in registers, half a row against the other half: with cos [C, C]
  * and sin [-S, S], y_i = a C - b S and y_{i+h} = b C + a S for a = x_i, b = x_{i+h}. C and S follow the
@@ -91,7 +112,7 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
                                                                const uint16_t *k_out, const uint8_t *k_index, int off,
                                                                float *scores, const int bits, const int GH) {
     const int h = d / 2, rb = d * bits / 8;
-    float C[h], S[h];
+    float C[h], S[h], lanes[GH][CHUNK][8], fix[GH][CHUNK];
     const float *C1 = cos_tab + d, *S1 = sin_tab + d + h;
     for (int t = t0; t < len; t++) {
         const int p = start + t;
@@ -122,7 +143,8 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
                 acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i + h), yb, acc[j]);
             }
         }
-        float fix[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+        for (int j = 0; j < GH; j++) _mm256_storeu_ps(lanes[j][t], acc[j]), fix[j][t] = 0.0f;
         const int n = kvq_min(kl->k_counts[slots[t]], capacity - off);
         for (int k = 0; k < n; k++) {
             const int ch = k_index[off + k];
@@ -131,19 +153,18 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
             const float delta = f16_to_f32(k_out[off + k]) - dense;
             const int i = ch % h;
             const float da = ch < h ? delta * C[i] : -delta * S[i], db = ch < h ? delta * S[i] : delta * C[i];
-            for (int j = 0; j < GH; j++) fix[j] += q[j * d + i] * da + q[j * d + i + h] * db;
+            for (int j = 0; j < GH; j++) fix[j][t] += q[j * d + i] * da + q[j * d + i + h] * db;
         }
         off += n > 0 ? n : 0;
-        for (int j = 0; j < GH; j++) scores[(size_t)j * CHUNK + t] = (hsum(acc[j]) + fix[j]) * scale;
     }
+    kvq_reduce_scores(lanes, fix, t0, len, scale, scores, GH);
 }
 
 /* The fast path's weighted values over t0 <= t < len, added to out [GH, d]: NV vectors of channels a pass
  * over the chunk, the GH x NV sums in registers; the rows' outliers as corrections after. */
 static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_layer *kl, const size_t *slots, int t0,
-                                                                 int len, int d, const float *vs, const float *vz,
-                                                                 __m256 lo, __m256 hi, const float *scores, float *out,
-                                                                 const int bits, const int GH, const int NV) {
+                                                                 int len, int d, __m256 lo, __m256 hi, const float *w_scaled,
+                                                                 float *out, const int bits, const int GH, const int NV) {
     const int rb = d * bits / 8;
     for (int i0 = 0; i0 < d; i0 += 8 * NV) {
         __m256 acc[4][4];
@@ -151,11 +172,10 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
             for (int u = 0; u < NV; u++) acc[j][u] = _mm256_setzero_ps();
         for (int t = t0; t < len; t++) {
             const uint8_t *row = kl->v_codes + slots[t] * rb;
-            const __m256 sc = _mm256_broadcast_ss(vs + t), z = _mm256_broadcast_ss(vz + t);
             __m256 w[4];
-            for (int j = 0; j < GH; j++) w[j] = _mm256_broadcast_ss(scores + (size_t)j * CHUNK + t);
+            for (int j = 0; j < GH; j++) w[j] = _mm256_broadcast_ss(w_scaled + (size_t)j * CHUNK + t);
             for (int u = 0; u < NV; u++) {
-                const __m256 x = _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, i0 + 8 * u, bits), lo, hi, bits), sc, z);
+                const __m256 x = kvq_lookup(kvq_codes8(row, i0 + 8 * u, bits), lo, hi, bits);
                 for (int j = 0; j < GH; j++) acc[j][u] = _mm256_fmadd_ps(w[j], x, acc[j][u]);
             }
         }
@@ -167,12 +187,12 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
     }
 }
 
-#define KVQ_FAST_VALUES(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH)              \
-    do {                                                                                          \
-        if (GH <= 2 && d % 32 == 0)                                                               \
-            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 4);     \
-        else                                                                                      \
-            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 2);     \
+#define KVQ_FAST_VALUES(kl, slots, t0, len, d, lo, hi, w, out, bits, GH)              \
+    do {                                                                            \
+        if (GH <= 2 && d % 32 == 0)                                                 \
+            kvq_fast_values(kl, slots, t0, len, d, lo, hi, w, out, bits, GH, 4);    \
+        else                                                                        \
+            kvq_fast_values(kl, slots, t0, len, d, lo, hi, w, out, bits, GH, 2);    \
     } while (0)
 
 #include "kvquant_nibbles.h" /* the 4-bit fast path: it uses the helpers above */
@@ -256,6 +276,7 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
     const int nib = fast && bits == 4 && d == 64; /* kvquant_nibbles.h: SmolLM2's and most small models' heads */
     uint8_t perm[128], inv[128];
     kvq_nib_book k_nib, v_nib;
+    memset(&k_nib, 0, sizeof k_nib), memset(&v_nib, 0, sizeof v_nib); /* read only where nib */
     if (nib) {
         kvq_nib_order(d, perm, inv);
         k_nib = kvq_nib_book_of(kl->k_codebook), v_nib = kvq_nib_book_of(kl->v_codebook);
@@ -308,7 +329,7 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
                 _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kr + c), _mm256_loadu_ps(o + c)));
         }
     }
-    if (nib) { /* the rows' scales folded into the weights, their zeros added once: sum_t w_t z_t */
+    if (fast) { /* the rows' scales folded into the weights, their zeros added once: sum_t w_t z_t */
         float w[group * CHUNK];
         for (int j = 0; j < group; j++) {
             const float *sh = scores + (size_t)j * CHUNK;
@@ -316,10 +337,10 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
             for (int t = t0; t < len; t++) wj[t] = sh[t] * vs[t], zsum += sh[t] * vz[t];
             for (int c = 0; c < d; c++) out[(size_t)j * d + c] += zsum;
         }
-        FOR_HEAD_PACK(group, kvq_nib_values, kl, slots, t0, len, 64, &v_nib, w, out)
-    } else if (fast)
-        FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, vs, vz, v_lo, v_hi, scores, out, bits)
-    if (fast) {
+        if (nib)
+            FOR_HEAD_PACK(group, kvq_nib_values, kl, slots, t0, len, 64, &v_nib, w, out)
+        else
+            FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, v_lo, v_hi, w, out, bits)
         for (int t = t0; t < len; t++) { /* each row's outliers: value - dense value, weighted */
             const size_t slot = slots[t];
             const uint8_t *row = kl->v_codes + slot * rb;

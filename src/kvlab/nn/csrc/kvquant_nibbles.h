@@ -154,20 +154,7 @@ static inline __attribute__((always_inline)) void kvq_nib_keys(const kvquant_lay
         }
         off += n > 0 ? n : 0;
     }
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (int j = 0; j < GH; j++) {
-        int t = t0;
-        for (; t + 8 <= len; t += 8) { /* eight tokens' lanes added at once: a transpose by horizontal adds */
-            const __m256 h01 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t]), _mm256_loadu_ps(lanes[j][t + 1]));
-            const __m256 h23 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 2]), _mm256_loadu_ps(lanes[j][t + 3]));
-            const __m256 h45 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 4]), _mm256_loadu_ps(lanes[j][t + 5]));
-            const __m256 h67 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 6]), _mm256_loadu_ps(lanes[j][t + 7]));
-            const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
-            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-            _mm256_storeu_ps(scores + (size_t)j * CHUNK + t, _mm256_mul_ps(_mm256_add_ps(sums, _mm256_loadu_ps(fix[j] + t)), sc));
-        }
-        for (; t < len; t++) scores[(size_t)j * CHUNK + t] = (hsum(_mm256_loadu_ps(lanes[j][t])) + fix[j][t]) * scale;
-    }
+    kvq_reduce_scores(lanes, fix, t0, len, scale, scores, GH);
 }
 
 /* One pass of kvq_nib_values: slice g's nibble n, the GH x 4 sums in registers. */
