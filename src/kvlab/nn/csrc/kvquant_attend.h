@@ -199,7 +199,8 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
 
 /* One attention unit (row, KV head, chunk) of a KVQuant layer: each query head's softmax partials, as
  * attend_chunk leaves them for combine_heads. `bits` is fixed per instance, so the lookups are constant.
- * The fast path (kvq_fast_keys, kvq_fast_values) takes every row past the sinks where the tables are
+ * The fast path (kvq_fast_keys, kvq_fast_values; kvquant_nibbles.h's for kvquant4 at 64-channel heads)
+ * takes every row past the sinks where the tables are
  * half style and a KV head serves at most 4 query heads; the rest go through the plain loops: the row
  * decoded into memory, its outliers put in place, rotated with its position's table row. */
 static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_model *m, const llama_layer *l,
