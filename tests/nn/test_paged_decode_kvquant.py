@@ -32,6 +32,8 @@ def kernels_lib():
 
 BLOCK, MAX_TOKENS = 5, 400
 ONE_LAYER = ModelConfig(**{**GQA.to_dict(), "n_layers": 1, "max_seq_len": 512, "name": "gqa1"})
+# 64-channel heads, three query heads a KV head (SmolLM2's shape): kvquant4 takes the nibble path (kvquant_nibbles.h)
+HEAD64 = ModelConfig(**{**ONE_LAYER.to_dict(), "dim": 192, "n_heads": 3, "n_kv_heads": 1, "name": "head64"})
 
 
 def kvquant_pool(config, dtype: str, num_blocks: int, seats: int, cal=None) -> KVPool:
@@ -117,8 +119,8 @@ def filled_pool(model, positions: list[int], dtype: str):
 @pytest.mark.parametrize("dtype", ["kvquant3", "kvquant4"])
 @pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("config", [ONE_LAYER, ONE_LAYER.with_kv_heads(1),
-                                    ModelConfig(**{**ONE_LAYER.to_dict(), "rope_style": "interleaved"})],
-                         ids=["gqa", "mqa", "interleaved"])
+                                    ModelConfig(**{**ONE_LAYER.to_dict(), "rope_style": "interleaved"}), HEAD64],
+                         ids=["gqa", "mqa", "interleaved", "head64"])
 def test_c_steps_equal_module_steps(dtype: str, rows: int, config) -> None:
     """Two decode steps: the logits equal the module path's reading the same pool (each step starts the module
     path from the C step's pool, so a code one apart at a rounding boundary does not compare grids)."""

@@ -4,7 +4,7 @@
  * codebook indices over per-channel ranges plus a count of the outliers it keeps in its seat's
  * pool, a value row is codebook indices with an fp16 scale and zero and its own outliers, and a
  * sequence's first `sinks` tokens stay whole in fp16 in its seat. llama_model.kvq points here
- * (NULL for every other format); kvquant_attend.h reads and writes it. kvlab.nn.c_abi mirrors both
+ * (NULL for every other format); kvquant_write.h writes it and kvquant_attend.h reads it. kvlab.nn.c_abi mirrors both
  * structs and abi.c exports their layout, as for the others.
  */
 #ifndef KVLAB_KVQUANT_H

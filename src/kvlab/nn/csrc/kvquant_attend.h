@@ -1,34 +1,21 @@
-/* KVQuant layers in the C step (kvquant.h): each row's keys and values written as
- * kvlab.cache.kvquant_pool writes them, then attention over the seat's sinks and the blocks' rows.
+/* KVQuant attention in the C step (kvquant.h): each row's keys and values written (kvquant_write.h),
+ * then attention over the seat's sinks and the blocks' rows.
  *
- * Writes. A key row is codebook indices of (x - zero_c) / range_c clipped to [-1, 1], and the
- * values outside that range go to the seat's outlier pool in row order (kvlab.cache.kvquant's
- * take_outliers: row i may fill the pool up to outlier_capacity(i + 1) slots, furthest out first);
- * a value row is codebook indices over its own min-max range with its largest |values| beside
- * it. Each row's outliers depend on how many slots the rows before it took, so a sequence's rows
- * are written in position order: one thread per KV head walks the step's rows, each run of rows of
- * one seat (a prompt's rows at consecutive positions) starting from the sum of the counts its
- * blocks already hold. The same walk notes where each CHUNK of positions starts in the pool (the
- * counts before it), which attention needs to find a row's outliers. Everything is fp32 arithmetic
- * in torch's order (division, not a reciprocal; nearest centroid as bucketize), so the bytes are
- * the module path's: tests hold the two byte for byte.
- *
- * Reads. Keys are cached before RoPE. Rotating each key once after decoding it costs a rotation
+ * Keys are cached before RoPE. Rotating each key once after decoding it costs a rotation
  * per key per KV head; rotating the query back instead (score = (R(p)^T q) . k) costs one per key
  * per query head, which is `group` times as many: so a key is decoded (its codes looked up in the
- * 8- or 16-entry codebook with vpermps, times its channel's range plus zero), its outliers put in
- * place, rotated with its position's table and dotted with every query head of its group. A
- * query-folded table (q_c T_c[code]) would skip the decode but not the rotation, which mixes
- * channels differently at every position. Values are decoded the same way (codebook times the
- * row's scale plus its zero, outliers in place) once for the group's heads. Sink tokens are fp16
- * rows in the seat, read as they are.
+ * 8- or 16-entry codebook, times its channel's range plus zero), its outliers put in place, rotated
+ * with its position's table and dotted with every query head of its group. A query-folded table
+ * (q_c T_c[code]) would skip the decode but not the rotation, which mixes channels differently at
+ * every position. Values are decoded the same way once for the group's heads. Sink tokens are fp16
+ * rows in the seat, read as they are. 4-bit rows of 64-channel heads are looked up 32 codes at a
+ * time with vpshufb (kvquant_nibbles.h), the rest eight at a time with vpermps; a row's outliers are
+ * corrections added after its dense dot products and sums.
  */
 #ifndef KVLAB_KVQUANT_ATTEND_H
 #define KVLAB_KVQUANT_ATTEND_H
 
-#include "kvquant.h"
-
-static inline int kvq_min(int a, int b) { return a < b ? a : b; }
+#include "kvquant_write.h"
 
 /* Codes c .. c + 7 (c a multiple of 8) of a row packed `bits` to a code (kvlab.cache.bitpack: eight
  * codes fill `bits` bytes, code j at bit bits j, lowest first), as eight lanes. */
@@ -62,142 +49,6 @@ static inline void kvq_codebook(const uint16_t *book, int bits, __m256 *lo, __m2
     *lo = _mm256_loadu_ps(t), *hi = _mm256_loadu_ps(t + 8);
 }
 
-/* The index of u's nearest centroid, as torch.bucketize(u, middles) (right=False): how many of the
- * midpoints between consecutive centroids lie below u. */
-static inline int kvq_nearest(float u, const float *middles, int n) {
-    int code = 0;
-    for (int j = 0; j < n; j++) code += middles[j] < u;
-    return code;
-}
-
-static void kvq_middles(const uint16_t *book, int bits, float *middles) {
-    for (int j = 0; j + 1 < 1 << bits; j++) middles[j] = (f16_to_f32(book[j + 1]) + f16_to_f32(book[j])) / 2.0f;
-}
-
-/* d codes (d a multiple of 8) packed as kvlab.cache.bitpack.pack_bits packs them. */
-static void kvq_pack(const uint8_t *codes, int d, int bits, uint8_t *out) {
-    for (int g = 0; g < d; g += 8) {
-        uint32_t word = 0;
-        for (int j = 0; j < 8; j++) word |= (uint32_t)codes[g + j] << (bits * j);
-        for (int k = 0; k < bits; k++) out[g / 8 * bits + k] = (uint8_t)(word >> (8 * k));
-    }
-}
-
-/* Sum of head h's outlier counts at positions a .. b - 1 of a sequence's blocks `table`. */
-static int kvq_counted(const kvquant_layer *kl, const int32_t *table, int hkv, int h, int bs, int a, int b) {
-    int sum = 0;
-    for (int p = a; p < b;) {
-        const uint8_t *block = kl->k_counts + ((size_t)table[p / bs] * hkv + h) * bs;
-        const int o = p % bs, end = kvq_min(bs, o + b - p);
-        for (int i = o; i < end; i++) sum += block[i];
-        p += end - o;
-    }
-    return sum;
-}
-
-/* Key row `row` (counting from the first after the sinks) of head h into `slot`, its outliers into the
- * seat's pool after the `used` slots earlier rows took: returns how many it took. */
-static int kvq_store_key(const kvquant_cache *kc, const kvquant_layer *kl, int d, int hkv, int h, int seat,
-                         size_t slot, int row, int used, const float *x) {
-    float xn[d], middles[15];
-    uint8_t codes[d];
-    const uint16_t *zero = kl->k_zero + (size_t)h * d, *range = kl->k_range + (size_t)h * d;
-    int wanted = 0;
-    for (int c = 0; c < d; c++) {
-        xn[c] = (x[c] - f16_to_f32(zero[c])) / f16_to_f32(range[c]);
-        wanted += fabsf(xn[c]) > 1.0f;
-    }
-    const int room = (int)((long)(row + 1) * d * kc->outlier_percent / 100) - used; /* outlier_capacity(row + 1) */
-    const int allowed = wanted < room ? wanted : room;
-    uint16_t *values = kl->k_outliers + ((size_t)seat * hkv + h) * kc->capacity + used;
-    uint8_t *index = kl->k_outlier_index + ((size_t)seat * hkv + h) * kc->capacity + used;
-    int taken = 0;
-    for (int c = 0; c < d && allowed > 0; c++) { /* the `allowed` furthest out, ties to the lower channel; stored in channel order */
-        const float a = fabsf(xn[c]);
-        if (a <= 1.0f) continue;
-        int rank = 0;
-        for (int o = 0; o < d; o++) {
-            const float b = fabsf(xn[o]);
-            rank += b > 1.0f && (b > a || (b == a && o < c));
-        }
-        if (rank < allowed) values[taken] = f32_to_f16(x[c]), index[taken] = (uint8_t)c, taken++;
-    }
-    kvq_middles(kl->k_codebook, kc->bits, middles);
-    for (int c = 0; c < d; c++)
-        codes[c] = (uint8_t)kvq_nearest(fminf(fmaxf(xn[c], -1.0f), 1.0f), middles, (1 << kc->bits) - 1);
-    kvq_pack(codes, d, kc->bits, kl->k_codes + slot * (size_t)(d * kc->bits / 8));
-    kl->k_counts[slot] = (uint8_t)taken;
-    return taken;
-}
-
-/* Value row y into `slot`: its v_outliers largest |values| (first the largest, ties to the lower channel)
- * kept in fp16, the rest as codes over their min-max range (kvlab.cache.kvquant.KVQuantValueCodec.encode). */
-static void kvq_store_value(const kvquant_cache *kc, const kvquant_layer *kl, int d, size_t slot, const float *y) {
-    const int n = kc->v_outliers;
-    uint8_t taken[d], codes[d];
-    float middles[15];
-    for (int c = 0; c < d; c++) taken[c] = 0;
-    for (int k = 0; k < n; k++) {
-        int best = -1;
-        for (int c = 0; c < d; c++)
-            if (!taken[c] && (best < 0 || fabsf(y[c]) > fabsf(y[best]))) best = c;
-        taken[best] = 1;
-        kl->v_outliers[slot * n + k] = f32_to_f16(y[best]);
-        kl->v_outlier_index[slot * n + k] = (uint8_t)best;
-    }
-    float lo = INFINITY, hi = -INFINITY;
-    for (int c = 0; c < d; c++)
-        if (!taken[c]) lo = fminf(lo, y[c]), hi = fmaxf(hi, y[c]);
-    kl->v_zero[slot] = f32_to_f16(lo);
-    kl->v_scale[slot] = f32_to_f16(hi - lo);
-    const float z = f16_to_f32(kl->v_zero[slot]), s = f16_to_f32(kl->v_scale[slot]), step = s == 0.0f ? 1.0f : s;
-    kvq_middles(kl->v_codebook, kc->bits, middles);
-    for (int c = 0; c < d; c++)
-        codes[c] = (uint8_t)kvq_nearest(fminf(fmaxf((y[c] - z) / step, 0.0f), 1.0f), middles, (1 << kc->bits) - 1);
-    kvq_pack(codes, d, kc->bits, kl->v_codes + slot * (size_t)(d * kc->bits / 8));
-}
-
-/* Every row's K and V of KV head h into the pool (pre-RoPE keys, as qkv holds them), in row order; and
- * each attention unit's start in the seat's outlier pool (s->kvq_off). */
-static void kvq_store_head(const llama_model *m, const kvquant_layer *kl, const paged_view *v, scratch *s, int h,
-                           int width, const float *qkv) {
-    const kvquant_cache *kc = m->kvq;
-    const int rows = v->rows, d = m->head_dim, hq = m->n_heads, hkv = m->n_kv_heads, bs = v->block_size;
-    const int L = s->layout, sinks = kc->sinks;
-    for (int r = 0; r < rows;) {
-        const int seat = kc->row_seats[r], p0 = v->positions[r];
-        int e = r + 1; /* the run: this seat's rows at consecutive positions */
-        while (e < rows && kc->row_seats[e] == seat && v->positions[e] == v->positions[e - 1] + 1) e++;
-        const int32_t *table = v->tables + (size_t)r * v->max_blocks;
-        int off[v->positions[e - 1] / CHUNK + 1]; /* the counts before each chunk's first position */
-        int used = 0, counted = sinks;
-        for (int c = 0; c * CHUNK < p0; c++) {
-            if (c * CHUNK > counted) used += kvq_counted(kl, table, hkv, h, bs, counted, c * CHUNK), counted = c * CHUNK;
-            off[c] = used;
-        }
-        if (p0 > counted) used += kvq_counted(kl, table, hkv, h, bs, counted, p0);
-        for (int j = r; j < e; j++) {
-            const int p = v->positions[j];
-            const float *k = qkv + (size_t)j * width + (size_t)(hq + h) * d, *val = k + (size_t)hkv * d;
-            if (p % CHUNK == 0) off[p / CHUNK] = used;
-            if (p < sinks) {
-                const size_t at = (((size_t)seat * hkv + h) * sinks + p) * d;
-                for (int c = 0; c < d; c++) kl->k_sink[at + c] = f32_to_f16(k[c]), kl->v_sink[at + c] = f32_to_f16(val[c]);
-                continue;
-            }
-            const int32_t *tj = v->tables + (size_t)j * v->max_blocks;
-            const size_t slot = ((size_t)tj[p / bs] * hkv + h) * bs + p % bs;
-            used += kvq_store_key(kc, kl, d, hkv, h, seat, slot, p - sinks, used, k);
-            kvq_store_value(kc, kl, d, slot, val);
-        }
-        for (int j = r; j < e; j++) {
-            const int chunks = v->positions[j] / CHUNK + 1, first = s->unit_first[L][j] + h * chunks;
-            for (int c = 0; c < chunks; c++) s->kvq_off[first + c] = off[c];
-        }
-        r = e;
-    }
-}
-
 /* x rotated at the position whose tables are cos, sin into y: kvlab.nn.rope's rotation (llama_decode.c's
  * rope), eight lanes at a time where the halves are whole vectors. */
 static inline void kvq_rotate(const float *x, const float *cos, const float *sin, int d, int interleaved, float *y) {
@@ -224,6 +75,27 @@ static inline int kvq_code_at(const uint8_t *row, int c, int bits) {
     return (word >> shift) & ((1 << bits) - 1);
 }
 
+/* scores[j][t] = (sum of lanes[j][t]'s 8 lanes + fix[j][t]) * scale for t0 <= t < len: a token's dot products
+ * are left as vectors by the key loops and added up eight tokens at a time (a transpose by horizontal adds),
+ * where one horizontal sum a token and head cost as much as a fifth of the token's key. */
+static inline __attribute__((always_inline)) void kvq_reduce_scores(float lanes[][CHUNK][8], float fix[][CHUNK], int t0,
+                                                                   int len, float scale, float *scores, const int GH) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int j = 0; j < GH; j++) {
+        int t = t0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 h01 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t]), _mm256_loadu_ps(lanes[j][t + 1]));
+            const __m256 h23 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 2]), _mm256_loadu_ps(lanes[j][t + 3]));
+            const __m256 h45 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 4]), _mm256_loadu_ps(lanes[j][t + 5]));
+            const __m256 h67 = _mm256_hadd_ps(_mm256_loadu_ps(lanes[j][t + 6]), _mm256_loadu_ps(lanes[j][t + 7]));
+            const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+            const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+            _mm256_storeu_ps(scores + (size_t)j * CHUNK + t, _mm256_mul_ps(_mm256_add_ps(sums, _mm256_loadu_ps(fix[j] + t)), sc));
+        }
+        for (; t < len; t++) scores[(size_t)j * CHUNK + t] = (hsum(_mm256_loadu_ps(lanes[j][t])) + fix[j][t]) * scale;
+    }
+}
+
 /* The fast path's key scores (rope_halves, at most 4 query heads a KV head): scores[j][t] for t0 <= t < len.
  * A key is decoded, rotated and dotted in registers, half a row against the other half: with cos [C, C]
  * and sin [-S, S], y_i = a C - b S and y_{i+h} = b C + a S for a = x_i, b = x_{i+h}. C and S follow the
@@ -240,7 +112,7 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
                                                                const uint16_t *k_out, const uint8_t *k_index, int off,
                                                                float *scores, const int bits, const int GH) {
     const int h = d / 2, rb = d * bits / 8;
-    float C[h], S[h];
+    float C[h], S[h], lanes[GH][CHUNK][8], fix[GH][CHUNK];
     const float *C1 = cos_tab + d, *S1 = sin_tab + d + h;
     for (int t = t0; t < len; t++) {
         const int p = start + t;
@@ -271,7 +143,8 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
                 acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + i + h), yb, acc[j]);
             }
         }
-        float fix[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+        for (int j = 0; j < GH; j++) _mm256_storeu_ps(lanes[j][t], acc[j]), fix[j][t] = 0.0f;
         const int n = kvq_min(kl->k_counts[slots[t]], capacity - off);
         for (int k = 0; k < n; k++) {
             const int ch = k_index[off + k];
@@ -280,19 +153,18 @@ static inline __attribute__((always_inline)) void kvq_fast_keys(const kvquant_la
             const float delta = f16_to_f32(k_out[off + k]) - dense;
             const int i = ch % h;
             const float da = ch < h ? delta * C[i] : -delta * S[i], db = ch < h ? delta * S[i] : delta * C[i];
-            for (int j = 0; j < GH; j++) fix[j] += q[j * d + i] * da + q[j * d + i + h] * db;
+            for (int j = 0; j < GH; j++) fix[j][t] += q[j * d + i] * da + q[j * d + i + h] * db;
         }
         off += n > 0 ? n : 0;
-        for (int j = 0; j < GH; j++) scores[(size_t)j * CHUNK + t] = (hsum(acc[j]) + fix[j]) * scale;
     }
+    kvq_reduce_scores(lanes, fix, t0, len, scale, scores, GH);
 }
 
 /* The fast path's weighted values over t0 <= t < len, added to out [GH, d]: NV vectors of channels a pass
  * over the chunk, the GH x NV sums in registers; the rows' outliers as corrections after. */
 static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_layer *kl, const size_t *slots, int t0,
-                                                                 int len, int d, const float *vs, const float *vz,
-                                                                 __m256 lo, __m256 hi, const float *scores, float *out,
-                                                                 const int bits, const int GH, const int NV) {
+                                                                 int len, int d, __m256 lo, __m256 hi, const float *w_scaled,
+                                                                 float *out, const int bits, const int GH, const int NV) {
     const int rb = d * bits / 8;
     for (int i0 = 0; i0 < d; i0 += 8 * NV) {
         __m256 acc[4][4];
@@ -300,11 +172,10 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
             for (int u = 0; u < NV; u++) acc[j][u] = _mm256_setzero_ps();
         for (int t = t0; t < len; t++) {
             const uint8_t *row = kl->v_codes + slots[t] * rb;
-            const __m256 sc = _mm256_broadcast_ss(vs + t), z = _mm256_broadcast_ss(vz + t);
             __m256 w[4];
-            for (int j = 0; j < GH; j++) w[j] = _mm256_broadcast_ss(scores + (size_t)j * CHUNK + t);
+            for (int j = 0; j < GH; j++) w[j] = _mm256_broadcast_ss(w_scaled + (size_t)j * CHUNK + t);
             for (int u = 0; u < NV; u++) {
-                const __m256 x = _mm256_fmadd_ps(kvq_lookup(kvq_codes8(row, i0 + 8 * u, bits), lo, hi, bits), sc, z);
+                const __m256 x = kvq_lookup(kvq_codes8(row, i0 + 8 * u, bits), lo, hi, bits);
                 for (int j = 0; j < GH; j++) acc[j][u] = _mm256_fmadd_ps(w[j], x, acc[j][u]);
             }
         }
@@ -316,17 +187,20 @@ static inline __attribute__((always_inline)) void kvq_fast_values(const kvquant_
     }
 }
 
-#define KVQ_FAST_VALUES(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH)              \
-    do {                                                                                          \
-        if (GH <= 2 && d % 32 == 0)                                                               \
-            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 4);     \
-        else                                                                                      \
-            kvq_fast_values(kl, slots, t0, len, d, vs, vz, lo, hi, scores, out, bits, GH, 2);     \
+#define KVQ_FAST_VALUES(kl, slots, t0, len, d, lo, hi, w, out, bits, GH)              \
+    do {                                                                            \
+        if (GH <= 2 && d % 32 == 0)                                                 \
+            kvq_fast_values(kl, slots, t0, len, d, lo, hi, w, out, bits, GH, 4);    \
+        else                                                                        \
+            kvq_fast_values(kl, slots, t0, len, d, lo, hi, w, out, bits, GH, 2);    \
     } while (0)
+
+#include "kvquant_nibbles.h" /* the 4-bit fast path: it uses the helpers above */
 
 /* One attention unit (row, KV head, chunk) of a KVQuant layer: each query head's softmax partials, as
  * attend_chunk leaves them for combine_heads. `bits` is fixed per instance, so the lookups are constant.
- * The fast path (kvq_fast_keys, kvq_fast_values) takes every row past the sinks where the tables are
+ * The fast path (kvq_fast_keys, kvq_fast_values; kvquant_nibbles.h's for kvquant4 at 64-channel heads)
+ * takes every row past the sinks where the tables are
  * half style and a KV head serves at most 4 query heads; the rest go through the plain loops: the row
  * decoded into memory, its outliers put in place, rotated with its position's table row. */
 static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_model *m, const llama_layer *l,
@@ -348,6 +222,11 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
         const size_t base = ((size_t)table[p / bs] * hkv + kvh) * bs;
         const int offset = p % bs, run = kvq_min(bs - offset, start + len - p);
         for (int u = 0; u < run; u++) slots[p - start + u] = base + offset + u;
+        for (int u = 0; u < run; u += 64) { /* the run's counts and value outliers: asked for now, read in the loops */
+            _mm_prefetch((const char *)(kl->k_counts + base + offset + u), _MM_HINT_T0);
+            _mm_prefetch((const char *)(kl->v_outlier_index + (base + offset + u) * nv), _MM_HINT_T0);
+            for (int b = 0; b < 2 * nv; b++) _mm_prefetch((const char *)(kl->v_outliers + (base + offset + u) * nv) + 64 * b, _MM_HINT_T0);
+        }
         int u = 0; /* the run's value scales and zeros, eight at a time */
         for (; u + 8 <= run; u += 8) {
             _mm256_storeu_ps(vs + p - start + u, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kl->v_scale + base + offset + u))));
@@ -395,7 +274,20 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
             scores[(size_t)j * CHUNK + t] = hsum(acc) * scale;
         }
     }
-    if (fast)
+    const int nib = fast && bits == 4 && d == 64; /* kvquant_nibbles.h: SmolLM2's and most small models' heads */
+    uint8_t perm[128], inv[128];
+    kvq_nib_book k_nib, v_nib;
+    memset(&k_nib, 0, sizeof k_nib), memset(&v_nib, 0, sizeof v_nib); /* read only where nib */
+    if (nib) {
+        kvq_nib_order(d, perm, inv);
+        k_nib = kvq_nib_book_of(kl->k_codebook), v_nib = kvq_nib_book_of(kl->v_codebook);
+        float q_nib[group * d], range_nib[d], zero_nib[d];
+        for (int j = 0; j < group; j++) kvq_nib_permute(q + (size_t)j * d, d, perm, q_nib + (size_t)j * d);
+        kvq_nib_permute(range, d, perm, range_nib), kvq_nib_permute(zero, d, perm, zero_nib);
+        FOR_HEAD_PACK(group, kvq_nib_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, 64, perm, inv,
+                      range_nib, zero_nib, range, zero, k_book, &k_nib, q_nib, q, scale, kc->capacity, k_out, k_index,
+                      off, scores)
+    } else if (fast)
         FOR_HEAD_PACK(group, kvq_fast_keys, kl, l->rope_cos, l->rope_sin, slots, start, t0, len, d, range, zero, k_book,
                       k_lo, k_hi, q, scale, kc->capacity, k_out, k_index, off, scores, bits)
     for (int j = 0; j < group; j++) { /* softmax partials, as attend_heads leaves them */
@@ -438,8 +330,18 @@ static inline __attribute__((always_inline)) void kvq_attend_chunk(const llama_m
                 _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, _mm256_loadu_ps(kr + c), _mm256_loadu_ps(o + c)));
         }
     }
-    if (fast) {
-        FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, vs, vz, v_lo, v_hi, scores, out, bits)
+    if (fast) { /* the rows' scales folded into the weights, their zeros added once: sum_t w_t z_t */
+        float w[group * CHUNK];
+        for (int j = 0; j < group; j++) {
+            const float *sh = scores + (size_t)j * CHUNK;
+            float *wj = w + (size_t)j * CHUNK, zsum = 0.0f;
+            for (int t = t0; t < len; t++) wj[t] = sh[t] * vs[t], zsum += sh[t] * vz[t];
+            for (int c = 0; c < d; c++) out[(size_t)j * d + c] += zsum;
+        }
+        if (nib)
+            FOR_HEAD_PACK(group, kvq_nib_values, kl, slots, t0, len, 64, &v_nib, w, out)
+        else
+            FOR_HEAD_PACK(group, KVQ_FAST_VALUES, kl, slots, t0, len, d, v_lo, v_hi, w, out, bits)
         for (int t = t0; t < len; t++) { /* each row's outliers: value - dense value, weighted */
             const size_t slot = slots[t];
             const uint8_t *row = kl->v_codes + slot * rb;
@@ -493,33 +395,6 @@ static int kvq_check_step(const llama_model *m, int rows, const int32_t *positio
         if (m->layers[i].window || m->layers[i].attention != ATTN_GQA) return -4;
     for (int r = 0; r < rows; r++)
         if (kc->row_seats[r] < 0 || kc->row_seats[r] >= kc->seats || positions[r] >= kc->max_tokens) return -2;
-    return 0;
-}
-
-/* Test hook: rows [rows, 2 kv_heads head_dim] (each row's K heads, then its V heads) stored into layer
- * `layer` of a KVQuant pool at positions [rows] with block tables [rows, max_blocks] and the seats in
- * kc->row_seats, as a step stores them: tests hold the bytes to KVQuantPlanes.store's. 0, or -1/-2. */
-int kvlab_kvquant_store(const kvquant_cache *kc, int layer, int kv_heads, int head_dim, int rows, const float *kv,
-                        const int32_t *positions, const int32_t *tables, int max_blocks, int block_size) {
-    llama_model m;
-    memset(&m, 0, sizeof m);
-    m.n_kv_heads = kv_heads, m.head_dim = head_dim, m.kvq = kc, m.cache_dtype = CACHE_KVQUANT;
-    for (int r = 0; r < rows; r++)
-        if (kc->row_seats[r] < 0 || kc->row_seats[r] >= kc->seats || positions[r] < 0 ||
-            positions[r] >= kc->max_tokens || positions[r] / block_size >= max_blocks)
-            return -2;
-    scratch s;
-    memset(&s, 0, sizeof s);
-    int *first = malloc(sizeof(int) * (size_t)(rows + 1)), units = 0;
-    for (int r = 0; r < rows; r++) units += kv_heads * (positions[r] / CHUNK + 1);
-    int *off = malloc(sizeof(int) * (size_t)(units + 1));
-    if (!first || !off) return free(first), free(off), -1;
-    first[0] = 0;
-    for (int r = 0; r < rows; r++) first[r + 1] = first[r] + kv_heads * (positions[r] / CHUNK + 1);
-    s.unit_first[0] = first, s.kvq_off = off;
-    const paged_view view = {rows, max_blocks, block_size, positions, tables, tables};
-    for (int h = 0; h < kv_heads; h++) kvq_store_head(&m, &kc->layers[layer], &view, &s, h, 2 * kv_heads * head_dim, kv);
-    free(first), free(off);
     return 0;
 }
 
