@@ -253,7 +253,10 @@ def speed(variant: Variant, server: str, kv_dtype: str) -> dict:
     """`vllm bench serve` against one server on one directory: TTFT, ITL and output tok/s per cell."""
     from kvlab.bench.conversions_speed import run_grid
 
-    path = _original_dir() if variant.name == "original" else str(served_directory(variant, _stages(variant)[-1]))
+    stage = _stages(variant)[-1]
+    # vLLM's CPU kernel needs the padded copy; kvlab serves the conversion itself (its own, narrower cache row)
+    path = _original_dir() if variant.name == "original" else str(
+        served_directory(variant, stage) if server == "vllm" else directory(variant, stage))
     return run_grid(server, path, kv_dtype, CONCURRENCY, PROMPT_LENS, OUTPUT_LEN)
 
 

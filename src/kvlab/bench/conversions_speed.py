@@ -3,7 +3,10 @@
 One server is started per (directory, KV cache dtype) and measured at every concurrency and prompt
 length of the grid, 2 x concurrency requests (at least 4) of random tokens each, OUTPUT_LEN tokens
 out (ignore_eos), its prefix cache reset before each cell. vLLM's CPU MLA backend caches only in the
-model's dtype: those cells record why, not a number. `kvlab serve` runs either attention, fp8 included.
+model's dtype: those cells record why, not a number. `kvlab serve` runs either attention, fp8 included,
+with `--weights q8_0` (KVLAB_WEIGHTS): a safetensors directory otherwise loads dense and decodes module by
+module, at a fifth of the C step's speed; Q8_0 rounds every matrix as GGUF does, the same for the source and
+its conversions, so their ratios hold.
 
 A cell predicted to run past CELL_BUDGET_S (the last cell of its prompt length's time, scaled by its
 requests) is skipped with that prediction, as are the larger ones after it: on a 2-core AVX2 machine real
@@ -22,6 +25,7 @@ from typing import Sequence
 from kvlab.bench.conversions import KV_SPACE_GIB
 
 CELL_BUDGET_S = 600.0
+KVLAB_WEIGHTS = "q8_0"
 METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms", "output_throughput", "completed", "failed")
 
 
@@ -38,8 +42,8 @@ def peer(server: str, path: str, kv_dtype: str, port: int):
         import sys
         return Peer("kvlab", [sys.executable, "-m", "kvlab.cli", "serve", path, *host, "--served-model-name", "m",
                               "--kv-cache-memory", f"{KV_SPACE_GIB}GiB", "--max-model-len", "4096",
-                              "--kv-cache-dtype", "fp16" if kv_dtype == "auto" else kv_dtype, "--log-level",
-                              "warning"], startup_timeout_s=300.0)
+                              "--kv-cache-dtype", "fp16" if kv_dtype == "auto" else kv_dtype, "--weights",
+                              KVLAB_WEIGHTS, "--log-level", "warning"], startup_timeout_s=300.0)
     python = vllm_python(None)
     if not os.access(python, os.X_OK):
         return f"no vLLM venv at {python}"
@@ -90,5 +94,6 @@ def run_grid(server: str, path: str, kv_dtype: str, concurrency: Sequence[int], 
                                                      "seconds": round(last[1], 1)}
     finally:
         running.stop()
-    return {"served": True, "startup_s": round(running.startup_s, 1), "cells": cells,
+    weights = {"weights": KVLAB_WEIGHTS} if server == "kvlab" else {"dtype": "bfloat16"}
+    return {"served": True, "startup_s": round(running.startup_s, 1), "cells": cells, **weights,
             "client": "vllm bench serve (random dataset, ignore_eos, temperature 0)"}

@@ -101,7 +101,9 @@ def render(data: dict, variants, keys: list[str]) -> str:
     lines += ["", "## Speed: `vllm bench serve` against each server", "",
               "Median TTFT ms / median ITL ms / output tok/s; random prompts of 128 or 1,024 tokens, 64 tokens out, "
               "2 x concurrency requests (at least 4); a cell predicted to run past 10 minutes (its prompt length's "
-              "last cell's time, scaled by its requests) is skipped, and the larger ones after it. Uptrained directories (speed does not depend on the weights' "
+              "last cell's time, scaled by its requests) is skipped, and the larger ones after it. vLLM runs bf16; "
+              "`kvlab serve` runs `--weights q8_0` (the C step; a directory otherwise decodes module by module). "
+              "Uptrained directories (speed does not depend on the weights' "
               "values). One run per cell on a shared 2-core machine: read ratios within a row, not absolutes.", ""]
     rows = []
     for server in ("vllm", "kvlab"):
