@@ -226,10 +226,10 @@ def tabulate(out: Path) -> dict:
         rows.append(row)
     path = out / gemma.STUDY.results
     gemma_store = json.loads(path.read_text()) if path.exists() else {"cells": {}, "runs": []}
-    gemma_model = load_model(gemma.STUDY.model, torch.float32, "dense")
+    gemma_loaded = load_model(gemma.STUDY.model, torch.float32, "dense")
     gemma_runs = throughput.load(out, gemma.STUDY.engine_runs)["rows"]
     gemma_rows = [{**summarise(gemma_store, s, gemma.STUDY), "serving": serving(s, gemma.STUDY),
-                   "engine_capacity_line": engine_line(s, gemma_model, out / gemma.STUDY.calibration),
+                   "engine_capacity_line": engine_line(s, build_model(gemma_loaded, s), out / gemma.STUDY.calibration),
                    "engine_c16_output_tokens_per_s": gemma_runs.get(s.label, {}).get("output_tokens_per_s")}
                   for s in gemma.STUDY.settings]
     doc = {"model": MODEL, "eval_text": EVAL_TEXT, "calibration_text": CALIBRATION_TEXT, "context": CONTEXT,
