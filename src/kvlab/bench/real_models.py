@@ -85,16 +85,7 @@ def measure(out: Path, max_seconds: float, threads: int, only: Optional[str] = N
     started = time.monotonic()
     wanted = step_keys(only)
     jobs = evaluate(out, SMOLLM2, started, max_seconds, threads, wanted)
-    dense = None  # loaded for the first converted setting's throughput
-    for setting in throughput.pending(out, SETTINGS):  # the throughput column, once those cells are in
-        if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
-            break
-        if not wanted(f"throughput:{setting.label}"):
-            continue
-        print(f"real_models: engine throughput, {setting.label}", file=sys.stderr)
-        if throughput.converted(setting) and dense is None:
-            dense = load_model(MODEL, torch.float32, "dense")
-        throughput.measure(out, MODEL, setting, threads, out / SMOLLM2.calibration, dense)
+    engine_runs(out, SMOLLM2, "throughput", jobs, started, max_seconds, threads, wanted)
     # the uptrained row last (the longest): its training run in slices, then its cells on its own weights
     while wanted("uptrain") and not uptrain.finished() and time.monotonic() - started <= max_seconds:
         print("real_models: uptraining the 1-KV-head conversion (a slice)", file=sys.stderr)
@@ -108,16 +99,31 @@ def measure(out: Path, max_seconds: float, threads: int, only: Optional[str] = N
     # then Gemma 3, whose cells are all quality cells
     in_time = time.monotonic() - started <= max_seconds
     gemma_jobs = evaluate(out, gemma.STUDY, started, max_seconds, threads, wanted) if in_time else None
-    runs = gemma.STUDY.engine_runs
-    for setting in throughput.pending(out, gemma.STUDY.settings, runs) if gemma_jobs is not None else []:
-        if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in gemma_jobs):
-            break
-        if wanted(f"gemma-throughput:{setting.label}"):
-            print(f"real_models: Gemma 3's engine throughput, {setting.label}", file=sys.stderr)
-            throughput.measure(out, gemma.STUDY.model, setting, threads, out / gemma.STUDY.calibration, file=runs)
+    if gemma_jobs is not None:
+        engine_runs(out, gemma.STUDY, "gemma-throughput", gemma_jobs, started, max_seconds, threads, wanted)
     return (uptrain.finished() and not throughput.pending(out, SETTINGS) and gemma_jobs is not None
             and all(e.pending(s, t) == 0 for e, s, t in jobs + gemma_jobs)
-            and not throughput.pending(out, gemma.STUDY.settings, runs))
+            and not throughput.pending(out, gemma.STUDY.settings, gemma.STUDY.engine_runs))
+
+
+def engine_runs(out: Path, study: Study, key: str, jobs: list, started: float, max_seconds: float, threads: int,
+                wanted) -> None:
+    """A study's engine throughput column (steps `key:LABEL`), once its quality cells are in, until the time is up;
+    a converted setting is built from the model loaded once with dense weights."""
+    import torch
+
+    from kvlab.checkpoints.resolve import load_model
+
+    dense = None
+    for setting in throughput.pending(out, study.settings, study.engine_runs):
+        if time.monotonic() - started > max_seconds or any(e.pending(s, t) for e, s, t in jobs):
+            break
+        if not wanted(f"{key}:{setting.label}"):
+            continue
+        print(f"real_models: engine throughput, {study.model} {setting.label}", file=sys.stderr)
+        if throughput.converted(setting) and dense is None:
+            dense = load_model(study.model, torch.float32, "dense")
+        throughput.measure(out, study.model, setting, threads, out / study.calibration, dense, study.engine_runs)
 
 
 def study_tasks(study: Study) -> list:

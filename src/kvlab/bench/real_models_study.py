@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvlab.bench.real_models_throughput import FILE
 from kvlab.evals.setting import KVSetting
 
 EVAL_TEXT = "frankenstein.txt"
@@ -30,7 +31,7 @@ class Study:
     # measured first, so a report cut short by time still says the most
     passkey_first: tuple[str, ...] = ()
     calibration: Optional[str] = None  # its KVQuant codebooks' file, for studies with kvquant rows
-    engine_runs: str = "engine_throughput.json"  # its engine runs' file (real_models_throughput.FILE for SmolLM2)
+    engine_runs: str = FILE  # its engine runs' file (kvlab.bench.real_models_throughput)
 
 
 def summarise(store: dict, setting: KVSetting, study: Study) -> dict:
