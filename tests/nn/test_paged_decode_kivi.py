@@ -31,7 +31,7 @@ def kernels_lib():
 def planes(name: str, heads: int, dim: int, group: int, residual: int, block_size: int, blocks: int = 24,
            seats: int = 3) -> KiviPlanes:
     fmt = resolve_kv_format(name, "fp32", group, residual)
-    return KiviPlanes(fmt, 1, blocks, block_size, heads, dim, dim, seats, torch.float32, torch.device("cpu"),
+    return KiviPlanes(fmt, [0], blocks, block_size, heads, dim, dim, seats, torch.float32, torch.device("cpu"),
                       lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
 
 

@@ -12,15 +12,22 @@ whole in fp16. In the pool:
   tokens' K and V in fp16 and the keys' outlier pool of outlier_capacity(max_tokens - sinks)
   slots per head, the plan's count for a sequence of max_tokens;
 - the calibration's codebooks and key ranges are held once (the plan's fixed bytes).
-Which key values are outliers follows kvlab.cache.kvquant.take_outliers, computed from the
-counts already in the blocks, so the pool holds KVQuantCache's bytes however a step chunks the
-tokens. Keys come back un-rotated: attention applies RoPE at their positions after reading.
+Which key values are outliers follows kvlab.cache.kvquant.take_outliers, given the outliers a
+sequence already holds (the counts in its blocks; once a sliding group has handed blocks back, a
+running count per seat, head and layer kept beside them: bookkeeping, as a block table is), so
+the pool holds KVQuantCache's bytes however a step chunks the tokens. Keys come back
+un-rotated: attention applies RoPE at their positions after reading.
+
+Layers of different KV groups (Gemma 3's sliding and full layers, kvlab.cache.kv_groups) share
+block tensors as the pool's slots do (slot_of); seats stay per layer. A sliding group's blocks
+that left its window are handed back (RELEASED): `read_held` reads the held rows, whose key
+outliers begin where the count of every earlier row ends.
 """
 
 from __future__ import annotations
 
 from itertools import chain
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +35,18 @@ from torch import Tensor
 
 from kvlab.cache.base import CacheError
 from kvlab.cache.bitpack import pack_bits, unpack_bits
+from kvlab.cache.kv_groups import RELEASED
 from kvlab.cache.kvquant import KVQuantKeyRows, KVQuantValueCodec, check_calibration, nearest_code, take_outliers
 from kvlab.plan.kv_formats import KVQUANT, KVFormat, outlier_capacity
 
 
 class KVQuantPlanes:
-    """Every layer's KVQuant rows in blocks and every seat's sinks and key outliers, for one pool."""
+    """Every layer's KVQuant rows in blocks (layer i's in slot slot_of[i]) and every seat's sinks and key
+    outliers, for one pool."""
 
     def __init__(self, fmt: KVFormat, calibration, num_blocks: int, block_size: int, kv_heads: int, dim: int,
-                 seats: int, max_tokens: int, device: torch.device, zeroed) -> None:
+                 seats: int, max_tokens: int, device: torch.device, zeroed,
+                 slot_of: Optional[Sequence[int]] = None) -> None:
         if fmt.scheme != KVQUANT:
             raise CacheError(f"KVQuantPlanes stores KVQuant formats, not {fmt.name}")
         check_calibration(fmt, calibration)
@@ -53,16 +63,27 @@ class KVQuantPlanes:
         self.values = [KVQuantValueCodec(dim, self.bits, self.percent, layer.v_codebooks[self.bits])
                        for layer in calibration.layers]
         layers = len(self.keys)
+        slot_of = list(slot_of) if slot_of is not None else list(range(layers))
+        slots = range(max(slot_of) + 1)
 
         def planes(shape: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:
             return [zeroed(shape, dtype, device) for _ in range(layers)]
 
+        def slot_planes(shape: tuple[int, ...], dtype: torch.dtype) -> list[Tensor]:  # layer i's: its slot's
+            made = [zeroed(shape, dtype, device) for _ in slots]
+            self._blocks.append(made)
+            return [made[slot] for slot in slot_of]
+
         nb, h = num_blocks, kv_heads
         k0 = self.keys[0]
-        self.k_codes = planes((nb, h, block_size, k0.codes.shape[-1]), torch.uint8)
-        self.k_counts = planes((nb, h, block_size, 1), k0.count_dtype)
-        self.v_fields = [{name: zeroed((nb, h, block_size, width), dtype, device)
-                          for name, (width, dtype) in codec.fields().items()} for codec in self.values]
+        self._blocks: list[list[Tensor]] = []
+        self.k_codes = slot_planes((nb, h, block_size, k0.codes.shape[-1]), torch.uint8)
+        self.k_counts = slot_planes((nb, h, block_size, 1), k0.count_dtype)
+        v_slots = [{name: zeroed((nb, h, block_size, width), dtype, device)
+                    for name, (width, dtype) in self.values[0].fields().items()} for _ in slots]
+        self._blocks.extend([list(fields.values()) for fields in v_slots])
+        self.v_fields = [v_slots[slot] for slot in slot_of]
+        self.k_used = torch.zeros(layers, seats, h, dtype=torch.long)  # key outliers each seat's sequence holds
         self.k_sink = planes((seats, h, self.sinks, dim), torch.float16)
         self.v_sink = planes((seats, h, self.sinks, dim), torch.float16)
         self.k_outliers = planes((seats, h, self.capacity), torch.float16)
@@ -92,8 +113,10 @@ class KVQuantPlanes:
         keys = self.keys[layer]
         blocks, offsets = self._places(table, first, first + k.shape[1])
         before = first - self.sinks
-        counts = self._rows(self.k_counts[layer], self._held(table, first), self.sinks, first).long()  # [H, before, 1]
-        used = counts.sum(dim=(-2, -1))
+        if RELEASED in list(table[:-(-first // self.block_size)]):  # a sliding group: earlier rows handed back
+            used = self.k_used[layer, seat].clone()
+        else:  # every earlier row held (what the C step, which keeps no count, writes too)
+            used = self._rows(self.k_counts[layer], self._held(table, first), self.sinks, first).long().sum(dim=(-2, -1))
         xn = keys.normalise(k[None])[0]  # [H, n, D]
         mask = take_outliers(xn, used, before, self.percent)
         head, row, channel = mask.nonzero(as_tuple=True)  # in row order within each head
@@ -103,6 +126,7 @@ class KVQuantPlanes:
         codes = pack_bits(nearest_code(xn.clamp(-1, 1), keys.codebook.float()), self.bits)
         self.k_codes[layer][blocks, :, offsets] = codes.transpose(0, 1)
         self.k_counts[layer][blocks, :, offsets] = mask.sum(-1, keepdim=True).to(keys.count_dtype).transpose(0, 1)
+        self.k_used[layer, seat] = used + mask.sum(dim=(-2, -1))
         for name, value in self.values[layer].encode(v).items():
             self.v_fields[layer][name][blocks, :, offsets] = value.transpose(0, 1)
 
@@ -123,32 +147,49 @@ class KVQuantPlanes:
     def read(self, layer: int, table: Sequence[int], seat: int, length: int,
              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """A sequence's first `length` keys (before RoPE) and values [H, length, D] in `dtype`, as
-        KVQuantCache returns them: the sinks from the seat, then the rows dequantised."""
+        KVQuantCache returns them: the sinks from the seat, then the rows dequantised; every block held."""
+        if RELEASED in list(table[:-(-length // self.block_size)]):
+            raise CacheError("the block table has released blocks: use read_held")
+        keys, values, _ = self.read_held(layer, table, seat, length, dtype)
+        return keys, values
+
+    def read_held(self, layer: int, table: Sequence[int], seat: int, length: int,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """Like `read`, skipping the blocks handed back (RELEASED, a prefix of a sliding group's table):
+        keys (before RoPE) and values [H, held, D] and their positions [held]."""
         sink = min(self.sinks, length)
         k_sink = self.k_sink[layer][seat][:, :sink].to(dtype)
         v_sink = self.v_sink[layer][seat][:, :sink].to(dtype)
-        if length <= self.sinks:
-            return k_sink, v_sink
-        keys, held = self.keys[layer], self._held(table, length)
-        codes = self._rows(self.k_codes[layer], held, self.sinks, length)
+        gone = next((b for b in range(-(-length // self.block_size)) if table[b] != RELEASED), 0)
+        first = max(self.sinks, gone * self.block_size)  # the first row held in a block
+        positions = torch.cat((torch.arange(sink), torch.arange(first, length)))
+        if length <= first:
+            return k_sink, v_sink, positions
+        keys, held = self.keys[layer], self._held(table, length)[gone:]
+        codes = self._rows(self.k_codes[layer], held, first - gone * self.block_size, length - gone * self.block_size)
         x = keys.codebook.float()[unpack_bits(codes, self.bits, self.dim)] * keys.range[0].float() \
             + keys.zero[0].float()
-        ends = self._rows(self.k_counts[layer], held, self.sinks, length).long().squeeze(-1).cumsum(-1)  # [H, n]
-        used = int(ends[:, -1].max())
-        if used:
-            slot = torch.arange(used).expand(ends.shape[0], used).contiguous()
+        counts = self._rows(self.k_counts[layer], held, first - gone * self.block_size,
+                            length - gone * self.block_size).long().squeeze(-1)  # [H, n]
+        # the held rows' outliers are the last of the sequence's: they begin after every earlier row's
+        earlier = self.k_used[layer, seat] - counts.sum(-1) if gone else torch.zeros(counts.shape[0], dtype=torch.long)
+        ends = counts.cumsum(-1) + earlier[:, None]
+        begin, used = int((ends[:, 0] - counts[:, 0]).min()), int(ends[:, -1].max())
+        if used > begin:
+            slot = torch.arange(begin, used).expand(ends.shape[0], used - begin).contiguous()
             row = torch.searchsorted(ends, slot, right=True)
             rows = ends.shape[1]
-            index = self.k_outlier_index[layer][seat][:, :used].long()
-            target = torch.where(slot < ends[:, -1:], row * self.dim + index, rows * self.dim)
-            values = self.k_outliers[layer][seat][:, :used].float()
+            index = self.k_outlier_index[layer][seat][:, begin:used].long()
+            inside = (slot < ends[:, -1:]) & (slot >= (ends[:, :1] - counts[:, :1]))
+            target = torch.where(inside, row * self.dim + index, rows * self.dim)
+            values = self.k_outliers[layer][seat][:, begin:used].float()
             x = F.pad(x.flatten(1), (0, 1)).scatter(-1, target, values)[..., :-1].view_as(x)
-        fields = {name: self._rows(plane, held, self.sinks, length) for name, plane in self.v_fields[layer].items()}
+        fields = {name: self._rows(plane, held, first - gone * self.block_size, length - gone * self.block_size)
+                  for name, plane in self.v_fields[layer].items()}
         values = self.values[layer].decode(fields, dtype)
-        return torch.cat((k_sink, x.to(dtype)), dim=1), torch.cat((v_sink, values), dim=1)
+        return torch.cat((k_sink, x.to(dtype)), dim=1), torch.cat((v_sink, values), dim=1), positions
 
     def tensors(self) -> Iterator[Tensor]:
         constants = chain.from_iterable(rows.constants() for rows in self.keys + self.values)
-        fields = chain.from_iterable(f.values() for f in self.v_fields)
-        return chain(self.k_codes, self.k_counts, fields, self.k_sink, self.v_sink, self.k_outliers,
+        return chain(chain.from_iterable(self._blocks), self.k_sink, self.v_sink, self.k_outliers,
                      self.k_outlier_index, constants)

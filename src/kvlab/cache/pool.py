@@ -96,22 +96,27 @@ class KVPool:
         # KIVI's and KVQuant's storage: rows in blocks and state per seat (kivi_pool, kvquant_pool)
         self.seats, self.kivi, self.kvquant = seats, None, None
         # keys stored before RoPE (KVQuant's per-channel keys, or `kvlab eval --pre-rope-keys` in any row format):
-        # attention rotates what the pool returns at positions 0.., so every position must be held
+        # attention rotates what the pool returns at the positions it holds (`attention_inputs`' rotate)
         self.pre_rope = fmt.scheme == KVQUANT or pre_rope
-        if self.pre_rope and (fmt.scheme == KIVI or not v_head_dim or any(g.windowed for g in self.groups)):
-            raise CacheError("pre-RoPE keys are stored by K/V pools of full-attention layers in a per-token or "
-                             "KVQuant format (no KIVI, MLA or windows)")
+        if self.pre_rope and (fmt.scheme == KIVI or not v_head_dim):
+            raise CacheError("pre-RoPE keys are stored by K/V pools in a per-token or KVQuant format (no KIVI, no MLA)")
         if fmt.scheme in (KIVI, KVQUANT):
-            if not v_head_dim or any(group.windowed for group in self.groups):
-                raise CacheError(f"{fmt.name} pools hold K/V heads of full-attention layers (no MLA, no windows)")
+            if not v_head_dim:
+                raise CacheError(f"{fmt.name} pools hold K/V heads (no MLA latents)")
             if fmt.scheme == KIVI:
-                self.kivi = KiviPlanes(fmt, slots, num_blocks, block_size, kv_heads, k_head_dim, v_head_dim, seats,
-                                       compute_dtype, self.device, zeroed)
+                if any(g.windowed and g.window <= fmt.residual + fmt.group_size for g in self.groups):
+                    raise CacheError(f"a {fmt.name} pool's windows must be wider than its full-precision residual "
+                                     f"of {fmt.residual + fmt.group_size} tokens")
+                self.kivi = KiviPlanes(fmt, self.slot_of, num_blocks, block_size, kv_heads, k_head_dim, v_head_dim,
+                                       seats, compute_dtype, self.device, zeroed)
             else:
                 if k_head_dim != v_head_dim or (calibration is not None and len(calibration.layers) != num_layers):
                     raise CacheError(f"{fmt.name} pools hold equal K and V heads, with a calibration per layer")
+                if any(g.sinks for g in self.groups):
+                    raise CacheError(f"{fmt.name} pools keep their own sink tokens; --sink-tokens is not supported "
+                                     "with them")
                 self.kvquant = KVQuantPlanes(fmt, calibration, num_blocks, block_size, kv_heads, k_head_dim, seats,
-                                             max_tokens or num_blocks * block_size, self.device, zeroed)
+                                             max_tokens or num_blocks * block_size, self.device, zeroed, self.slot_of)
             self.planes = self.kivi or self.kvquant
             self.codecs = (None, None)
             self.k = self.v = [None] * num_layers
@@ -161,7 +166,7 @@ class KVPool:
         `layer` where `step` (a kvlab.cache.StepBatch) places them."""
         group = self.group_of[layer]
         if self.planes is not None:
-            self.planes.store(self.slot_of[layer], k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
+            self.planes.store(layer, k, v, [c - n for c, n in zip(step.context_lens, step.query_lens)],
                               step.query_lens, step.group_tables[group], step.seats)
             return
         self.write(layer, k, v, step.group_slots[group])
@@ -210,22 +215,30 @@ class KVPool:
         k, v = self._gather(layer, table, len(logical) * self.block_size)
         return k[:, keep], (v[:, keep] if v is not None else None), positions[keep]
 
-    def attention_inputs(self, layer: int, step, s: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    def attention_inputs(self, layer: int, step, s: int,
+                         rotate=None) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
         """What sequence s of `step` attends over in layer `layer`: keys, values and a [new, held]
         mask, or None where plain causal attention over all its context is exact (a full group,
-        or a window that hides nothing yet)."""
+        or a window that hides nothing yet). A pre-RoPE pool's keys come back through
+        `rotate(keys, positions)` (the layer's RoPE) at the positions they hold, as stored without it."""
         g = self.group_of[layer]
         table, new, context = step.group_tables[g][s], step.query_lens[s], step.context_lens[s]
-        if self.planes is not None:
-            keys, values = self.planes.read(self.slot_of[layer], table, step.seats[s], context, self.compute_dtype)
-            return keys, values, None
         group = self.groups[g]
         need = -(-context // self.block_size)
-        if RELEASED not in table[:need] and (group.window is None or context <= group.window):
+        whole = RELEASED not in table[:need] and (group.window is None or context <= group.window)
+        if self.planes is not None:
+            seat = step.seats[s]
+            if whole:
+                keys, values = self.planes.read(layer, table, seat, context, self.compute_dtype)
+            else:
+                keys, values, held = self.planes.read_held(layer, table, seat, context, self.compute_dtype)
+        elif whole:
             keys, values = self.read(layer, table, context)
-            return keys, values, None
-        keys, values, held = self.read_held(layer, table, context)
-        return keys, values, group.visible(torch.arange(context - new, context), held)
+        else:
+            keys, values, held = self.read_held(layer, table, context)
+        if self.pre_rope and rotate is not None:
+            keys = rotate(keys, torch.arange(context) if whole else held)
+        return keys, values, None if whole else group.visible(torch.arange(context - new, context), held)
 
     def _gather(self, layer: int, table: Tensor, length: int) -> tuple[Tensor, Optional[Tensor]]:
         def side(fields: Fields, codec: RowCodec) -> Tensor:

@@ -130,9 +130,7 @@ class Attention(nn.Module):
         pool.store(layer, k.transpose(0, 1), v.transpose(0, 1), step)
         outs, at = [], 0
         for s, new in enumerate(step.query_lens):
-            keys, values, mask = pool.attention_inputs(layer, step, s)
-            if pre_rope:  # a pre-RoPE pool holds every position 0..context-1 (no windows)
-                keys = rope.at(keys, torch.arange(keys.shape[1]))
+            keys, values, mask = pool.attention_inputs(layer, step, s, rope.at if pre_rope else None)
             outs.append(attend(q[None, :, at:at + new], keys[None], values[None], scale=self.scale, mask=mask)[0])
             at += new
         y = torch.cat(outs, dim=1)  # [Hq, N, D]

@@ -26,8 +26,11 @@ def why_not_kivi(config, pool: KVPool) -> Optional[str]:
     if fmt.bits not in CACHE_KIVI_BITS or planes.dtype != torch.float32 or pool.compute_dtype != torch.float32:
         return "the C step runs kivi4 and kivi2 pools whose residual and attention are fp32"
     if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
-            (config.n_layers, config.kv_heads, d, d) or any(config.window_of(i) for i in range(config.n_layers)):
-        return "the pool was not built for this model's layers, KV heads and head dim (full attention)"
+            (config.n_layers, config.kv_heads, d, d):
+        return "the pool was not built for this model's layers, KV heads and head dim"
+    if any(config.window_of(i) for i in range(config.n_layers)) or any(group.window for group in pool.groups):
+        return (f"the C step's {fmt.name} attention reads every position; sliding layers and --kv-window run "
+                "module by module")
     if fmt.group_size > KIVI_MAX_GROUP or (fmt.group_size < d and fmt.group_size % 8):
         return (f"the C step runs {fmt.name} groups of a multiple of 8 (or at least the head dim) up to "
                 f"{KIVI_MAX_GROUP}, not {fmt.group_size}")
@@ -39,11 +42,11 @@ def why_not_kivi(config, pool: KVPool) -> Optional[str]:
 def kivi_sides(pool: KVPool) -> list[tuple[KVPlane, KVPlane]]:
     """Each layer's (K, V) planes: codes, scales and zeros in blocks, and the residual ring."""
     p = pool.kivi
-    return [(KVPlane(p.k_codes[s].data_ptr(), p.k_scale[s].data_ptr(), p.k_zero[s].data_ptr(), None,
-                     p.k_ring[s].data_ptr()),
-             KVPlane(p.v_codes[s].data_ptr(), p.v_scale[s].data_ptr(), p.v_zero[s].data_ptr(), None,
-                     p.v_ring[s].data_ptr()))
-            for s in (pool.slot_of[layer] for layer in range(pool.num_layers))]
+    return [(KVPlane(p.k_codes[i].data_ptr(), p.k_scale[i].data_ptr(), p.k_zero[i].data_ptr(), None,
+                     p.k_ring[i].data_ptr()),
+             KVPlane(p.v_codes[i].data_ptr(), p.v_scale[i].data_ptr(), p.v_zero[i].data_ptr(), None,
+                     p.v_ring[i].data_ptr()))
+            for i in range(pool.num_layers)]
 
 
 def kivi_rows(pool: KVPool, starts: Sequence[int], lens: Sequence[int], seats: Sequence[int]) -> torch.Tensor:

@@ -10,6 +10,12 @@ KIVI and KVQuant are kvlab's alone, and each keeps some state per seat (one of t
   values); a seat keeps the sequence's sink tokens in fp16 and its keys' outlier pool, sized for
   `max_model_len` tokens: outlier_capacity(max_model_len - sinks) slots per head, as the plan
   counts a sequence of that length. The codebooks and key ranges (fixed_bytes) come off once.
+
+A model with sliding layers (Gemma 3) or a sinks + window policy groups its layers as vLLM's
+hybrid manager does (kvlab.plan.vllm_groups): a block id is then a page in each of `group_size`
+layers, one request needs each group's peak pages, and the logged figures follow vLLM 0.32's
+(tokens = int(concurrency x max_model_len)). Seats stay per layer: a sliding layer's KIVI ring
+and KVQuant sinks and outliers are the same as a full layer's.
 """
 
 from __future__ import annotations
@@ -22,18 +28,24 @@ from kvlab.plan.errors import PlanError
 from kvlab.plan.kv_formats import KIVI, KVQUANT, SINK_BYTES, kvquant_row_bytes, outlier_bytes, outlier_capacity
 from kvlab.plan.spec import ModelSpec
 from kvlab.plan.vllm_blocks import GIB, vllm_capacity
+from kvlab.plan.vllm_groups import KVGroup, kv_groups
+from kvlab.plan.vllm_versions import DEFAULT_VERSION, release
 
 # kvlab's engine defaults (`kvlab serve`'s --block-size and --max-num-seqs), for plans of its pool
 DEFAULT_BLOCK_SIZE = 64  # why 64: kvlab.cache.pool
 DEFAULT_MAX_NUM_SEQS = 64
 
 
+def kivi_page_bytes(layer, formats: CacheFormats, block_size: int) -> int:
+    """Bytes of one layer's page of `block_size` quantised tokens."""
+    k, v = replace(formats.k, residual=0), replace(formats.v, residual=0)
+    return (k.bytes("k", layer.kv_heads, layer.k_head_dim, block_size)
+            + v.bytes("v", layer.kv_heads, layer.v_head_dim, block_size))
+
+
 def kivi_block_bytes(spec: ModelSpec, formats: CacheFormats, block_size: int) -> int:
     """Bytes of one block of `block_size` quantised tokens over every layer."""
-    k, v = replace(formats.k, residual=0), replace(formats.v, residual=0)
-    return sum(k.bytes("k", layer.kv_heads, layer.k_head_dim, block_size)
-               + v.bytes("v", layer.kv_heads, layer.v_head_dim, block_size)
-               for layer in spec.layers if not layer.kv_shared)
+    return sum(kivi_page_bytes(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
 
 
 def kivi_seat_bytes(spec: ModelSpec, formats: CacheFormats) -> int:
@@ -44,12 +56,23 @@ def kivi_seat_bytes(spec: ModelSpec, formats: CacheFormats) -> int:
                for layer in spec.layers if not layer.kv_shared)
 
 
+def kvquant_page_bytes(layer, formats: CacheFormats, block_size: int) -> int:
+    """Bytes of one layer's page of `block_size` KVQuant rows (keys and values)."""
+    k, v = formats.k, formats.v
+    return block_size * layer.kv_heads * (kvquant_row_bytes(layer.k_head_dim, k.bits, k.outlier_percent, "k")
+                                          + kvquant_row_bytes(layer.v_head_dim, v.bits, v.outlier_percent, "v"))
+
+
 def kvquant_block_bytes(spec: ModelSpec, formats: CacheFormats, block_size: int) -> int:
     """Bytes of one block of `block_size` KVQuant rows (keys and values) over every layer."""
-    k, v = formats.k, formats.v
-    return sum(block_size * layer.kv_heads * (kvquant_row_bytes(layer.k_head_dim, k.bits, k.outlier_percent, "k")
-                                              + kvquant_row_bytes(layer.v_head_dim, v.bits, v.outlier_percent, "v"))
-               for layer in spec.layers if not layer.kv_shared)
+    return sum(kvquant_page_bytes(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
+
+
+def layer_groups(spec: ModelSpec, block_size: int) -> list[KVGroup]:
+    """The model's KV groups as the engine's pool lays them out: vLLM's hybrid grouping, which depends on
+    the layers' kinds and shapes, not on the cache format (kvlab.cache.pool.layer_groups reads the same)."""
+    from kvlab.plan.capacity import cache_formats
+    return kv_groups(spec, cache_formats("fp16"), block_size, 1, True, release(DEFAULT_VERSION))
 
 
 def kvquant_seat_bytes(spec: ModelSpec, formats: CacheFormats, max_model_len: int) -> int:
@@ -85,15 +108,27 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
     name = formats.k.name
     if formats.k != formats.v:
         raise PlanError(f"a {name} pool stores keys and values in one format")
-    if spec.has_mla or spec.has_windows or spec.has_state:
-        raise PlanError(f"{name} pools serve full-attention K/V layers only")
+    if spec.has_mla or spec.has_state:
+        raise PlanError(f"{name} pools serve K/V layers only (full attention or sliding windows)")
     kvquant = formats.k.scheme == KVQUANT
-    block = kvquant_block_bytes(spec, formats, block_size) if kvquant else kivi_block_bytes(spec, formats, block_size)
+    page = kvquant_page_bytes if kvquant else kivi_page_bytes
     residual = seats * seat_bytes(spec, formats, max_model_len)
     fixed = kv_fixed_bytes(spec, formats)
-    num_blocks = max(0, available_bytes - residual - fixed) // block
-    tokens = num_blocks * block_size
-    concurrency = num_blocks / -(-max_model_len // block_size)
+    groups = layer_groups(spec, block_size)
+    if len(groups) == 1:  # every layer alike: a block is every layer's page, a request every block of its length
+        block = sum(page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
+        num_blocks = max(0, available_bytes - residual - fixed) // block
+        tokens = num_blocks * block_size
+        concurrency = num_blocks / -(-max_model_len // block_size)
+    else:
+        pages = {page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared}
+        if len(pages) > 1 or len({group.block_size for group in groups}) > 1:
+            raise PlanError(f"{name} pools need every layer's page alike; {spec.name}'s layers differ")
+        block = pages.pop() * max(group.layers for group in groups)
+        num_blocks = max(0, available_bytes - residual - fixed) // block
+        in_flight = release(DEFAULT_VERSION).in_flight_tokens("cpu", max_num_batched_tokens)
+        concurrency = num_blocks / sum(group.peak_blocks(max_model_len, in_flight) for group in groups)
+        tokens = int(concurrency * max_model_len)
     if kvquant:
         seat_line = (f"{name}: {seats} seats' sinks and key outliers for {max_model_len:,} tokens take "
                      f"{residual / 2**20:.2f} MiB of it; codebooks and key ranges {fixed / 2**10:.2f} KiB")
@@ -103,6 +138,7 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
     return {
         "device": "cpu",
         "block_size": block_size,
+        "kv_cache_groups": [dict(kind=g.kind, window=g.window, layers=g.layers) for g in groups],
         "block_bytes_all_layers": block,
         "residual_bytes": residual,
         "seat_bytes": residual // seats if seats else seat_bytes(spec, formats, max_model_len),
