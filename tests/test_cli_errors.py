@@ -15,7 +15,7 @@ def test_a_flag_prefix_is_not_taken_for_a_longer_flag(capsys):
 
 @pytest.mark.parametrize("extra,message", [
     ([], "no KVQuant calibration at"),
-    (["--kv-window", "64"], "kvquant4 pools keep per-sequence state in seats"),
+    (["--kv-window", "64", "--sink-tokens", "4"], "kvquant4 keeps its own first tokens in fp16"),
 ])
 def test_serve_refuses_a_kvquant_pool_it_cannot_build_in_one_line(capsys, extra, message):
     """`kvlab serve` with kvquant4 and no calibration beside the model (or a window) says why in one line, exit 2,

@@ -1,8 +1,8 @@
-"""KIVI, KVQuant and pre-RoPE pools on a model with sliding layers (Gemma 3's shape): the engine serves
-them in one pool with the full layers, the sliding groups hand back what left their window, and greedy
-tokens equal the lab's own caches (every token held, the layers masking their window) decoding each
-prompt alone, with requests joining mid-flight and preemption; the pool's bytes and start-up lines are
-kvlab.plan.pool_capacity's, and the pool is free afterwards.
+"""KIVI, KVQuant and pre-RoPE pools on a model with sliding layers (Gemma 3's shape) and under the sinks +
+window policy: the engine serves them in one pool, the windowed groups hand back what left their window,
+and greedy tokens equal the lab's own caches (every token held, the layers masking their window) decoding
+each prompt alone, with requests joining mid-flight and preemption; the pool's bytes and start-up lines
+are kvlab.plan.pool_capacity's, and the pool is free afterwards.
 """
 
 import sys
@@ -186,7 +186,68 @@ def test_pool_bytes_and_start_up_lines_are_the_plans(calibration_file, kv_cache_
         fixed_and_seats(model, kv_cache_dtype)
 
 
-def test_kvquant_under_the_kv_window_policy_is_refused_in_one_line(calibration_file):
-    with pytest.raises(RequestError, match="--kv-window are not supported"):
+def test_kvquant_with_sink_tokens_is_refused_in_one_line(calibration_file):
+    with pytest.raises(RequestError, match="--sink-tokens is not supported"):
         make(gemma_like(), 2_000_000, kv_cache_dtype="kvquant4", kv_calibration=calibration_file[1], kv_window=64,
              sink_tokens=4)
+
+
+# -- the sinks + window policy (--kv-window K --sink-tokens S) on a model of full layers ------------------------
+
+class PolicyMasked:
+    """A lab cache that holds every token, its layers masking what the sinks + window policy hides: a query at
+    t sees p <= t when p is one of the first `sinks` or t - p <= window (kvlab.cache.window's rule)."""
+
+    def __init__(self, cache, window: int, sinks: int) -> None:
+        self.cache, self.window, self.sinks = cache, window, sinks
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def window_mask(self, layer: int, new: int) -> torch.Tensor:
+        end = self.cache.seq_len(layer)
+        queries, held = torch.arange(end - new, end)[:, None], torch.arange(end)[None, :]
+        return (held <= queries) & ((held < self.sinks) | (held >= queries - self.window))
+
+
+POLICY_WINDOW, POLICY_SINKS = 170, 4  # wider than KIVI's residual of 160 tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype,sinks", [("kivi4", POLICY_SINKS), ("int4+prerope", POLICY_SINKS),
+                                                  ("kvquant4", 0)])
+def test_the_window_policy_equals_the_lab_cache_masked(stories_model, calibration_for_stories, kv_cache_dtype, sinks):
+    model = stories_model
+    dtype, pre_rope = kv_cache_dtype.split("+")[0], kv_cache_dtype.endswith("+prerope")
+    cal, path = calibration_for_stories if dtype.startswith("kvquant") else (None, None)
+    work = [list(range(1, 230)), list(range(300, 340)), list(range(50, 200))]
+
+    def lab(ids: list[int]) -> list[int]:
+        size = len(ids) + NEW
+        cache = make_kvquant_cache(dtype, cal, 1, size, model.dtype, model.layer_ropes()) if cal is not None \
+            else model.reference_cache(1, size, dtype, pre_rope=pre_rope)
+        return generate(model, ids, NEW, cache=PolicyMasked(cache, POLICY_WINDOW, sinks))[0].tolist()
+
+    want = [lab(p) for p in work]
+    eng = make(model, 3_000_000, kv_cache_dtype=dtype, pre_rope_keys=pre_rope, kv_calibration=path,
+               kv_window=POLICY_WINDOW, sink_tokens=sinks)
+    assert [(group.window, group.sinks) for group in eng.pool.groups] == [(POLICY_WINDOW + 1, sinks)]
+    got, released = serve(eng, work)
+    assert got == want
+    assert released
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def calibration_for_stories(stories_model, tmp_path_factory):
+    from kvlab.evals.calibrate import calibrate
+
+    ids = torch.randint(1, 500, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    cal = calibrate(stories_model, ids, context=128, windows=2, sensitivity=False)
+    path = tmp_path_factory.mktemp("kvquant") / "stories.kvquant.safetensors"
+    save_calibration(cal, path)
+    return cal, str(path)
+
+
+def test_a_kivi_window_narrower_than_the_residual_is_refused_in_one_line(stories_model):
+    with pytest.raises(RequestError, match="narrower than kivi4's full-precision residual"):
+        make(stories_model, 2_000_000, kv_cache_dtype="kivi4", kv_window=100)

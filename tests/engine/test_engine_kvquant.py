@@ -93,15 +93,16 @@ def test_without_a_calibration_the_engine_says_what_to_do(stories_model, stories
                     kv_calibration=str(tmp_path / "missing.safetensors"))
 
 
-def test_kvquant_with_a_window_or_another_models_calibration_is_refused_in_one_line(stories_model, stories_tokenizer,
+def test_kvquant_with_sink_tokens_or_another_models_calibration_is_refused_in_one_line(stories_model, stories_tokenizer,
                                                                                     calibration_file, tmp_path):
     from kvquant_helpers import random_calibration
     from kvlab.errors import KvlabError
     from kvlab.nn.config import ModelConfig
 
     _, path = calibration_file
-    with pytest.raises(RequestError, match="--kv-window are not supported"):
-        make_engine(stories_model, stories_tokenizer, kv_cache_dtype="kvquant4", kv_calibration=path, kv_window=32)
+    with pytest.raises(RequestError, match="--sink-tokens is not supported"):
+        make_engine(stories_model, stories_tokenizer, kv_cache_dtype="kvquant4", kv_calibration=path, kv_window=32,
+                    sink_tokens=4)
     other = tmp_path / "other.safetensors"
     save_calibration(random_calibration(ModelConfig(vocab_size=32, n_layers=2, dim=32, n_heads=4, n_kv_heads=2)), other)
     with pytest.raises(KvlabError, match="was calibrated for 2 layers"):

@@ -23,7 +23,7 @@ from kvlab.engine.runner import ModelRunner
 from kvlab.engine.scheduler import Scheduler, SchedulerConfig
 from kvlab.engine.speculative import SpeculativeConfig
 from kvlab.plan.capacity import cache_formats
-from kvlab.plan.kv_formats import KVQUANT
+from kvlab.plan.kv_formats import KIVI, KVQUANT
 from kvlab.plan.pool_capacity import engine_capacity, uses_seats
 from kvlab.plan.speculative import shared_pool_blocks
 
@@ -74,14 +74,17 @@ def refuse_combinations(config: EngineConfig, formats, speculative: Optional[Spe
     windowed = config.kv_window is not None
     if windowed and speculative is not None:
         raise RequestError("--kv-window with speculative decoding is not supported yet", "kv_window")
-    if config.pre_rope_keys and windowed:
-        raise RequestError("--pre-rope-keys rotates every cached key at its position; --kv-window drops "
-                           "positions", "pre_rope_keys")
     # KIVI and KVQuant keep state per seat (kvlab.cache.kivi_pool, kvquant_pool): a KIVI residual, KVQuant's
-    # sinks and key outliers
-    if uses_seats(formats) and (speculative is not None or windowed):
-        raise RequestError(f"{formats.k.name} pools keep per-sequence state in seats; speculative decoding and "
-                           "--kv-window are not supported with them", "kv_cache_dtype")
+    # sinks and key outliers, which a rejected draft token would have to roll back
+    if uses_seats(formats) and speculative is not None:
+        raise RequestError(f"{formats.k.name} pools keep per-sequence state in seats; speculative decoding is not "
+                           "supported with them", "kv_cache_dtype")
+    if formats.k.scheme == KVQUANT and windowed and config.sink_tokens:
+        raise RequestError(f"{formats.k.name} keeps its own first tokens in fp16; --sink-tokens is not supported "
+                           "with it (--kv-window alone is)", "sink_tokens")
+    if formats.k.scheme == KIVI and windowed and config.kv_window < formats.k.residual + formats.k.group_size:
+        raise RequestError(f"--kv-window {config.kv_window} is narrower than {formats.k.name}'s full-precision "
+                           f"residual of {formats.k.residual + formats.k.group_size} tokens", "kv_window")
 
 
 def calibration_for(config: EngineConfig, formats, mc):

@@ -11,9 +11,10 @@ KIVI and KVQuant are kvlab's alone, and each keeps some state per seat (one of t
   `max_model_len` tokens: outlier_capacity(max_model_len - sinks) slots per head, as the plan
   counts a sequence of that length. The codebooks and key ranges (fixed_bytes) come off once.
 
-A model with sliding layers (Gemma 3) or a sinks + window policy groups its layers as vLLM's
-hybrid manager does (kvlab.plan.vllm_groups): a block id is then a page in each of `group_size`
-layers, one request needs each group's peak pages, and the logged figures follow vLLM 0.32's
+A model with sliding layers (Gemma 3) groups its layers as vLLM's hybrid manager does
+(kvlab.plan.vllm_groups): a block id is then a page in each of `group_size` layers. Where any
+group is windowed (sliding layers, or the sinks + window policy) one request needs each group's
+peak pages (its window and the in-flight tokens), and the logged figures follow vLLM 0.32's
 (tokens = int(concurrency x max_model_len)). Seats stay per layer: a sliding layer's KIVI ring
 and KVQuant sinks and outliers are the same as a full layer's.
 """
@@ -115,16 +116,19 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
     residual = seats * seat_bytes(spec, formats, max_model_len)
     fixed = kv_fixed_bytes(spec, formats)
     groups = layer_groups(spec, block_size)
-    if len(groups) == 1:  # every layer alike: a block is every layer's page, a request every block of its length
+    if len(groups) == 1 and groups[0].window is None:  # every layer full: a request needs every block of its length
         block = sum(page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
         num_blocks = max(0, available_bytes - residual - fixed) // block
         tokens = num_blocks * block_size
         concurrency = num_blocks / -(-max_model_len // block_size)
     else:
         pages = {page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared}
-        if len(pages) > 1 or len({group.block_size for group in groups}) > 1:
+        if len(groups) == 1:  # one windowed group (the sinks + window policy): a block is every layer's page
+            block = sum(page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
+        elif len(pages) > 1 or len({group.block_size for group in groups}) > 1:
             raise PlanError(f"{name} pools need every layer's page alike; {spec.name}'s layers differ")
-        block = pages.pop() * max(group.layers for group in groups)
+        else:
+            block = pages.pop() * max(group.layers for group in groups)
         num_blocks = max(0, available_bytes - residual - fixed) // block
         in_flight = release(DEFAULT_VERSION).in_flight_tokens("cpu", max_num_batched_tokens)
         concurrency = num_blocks / sum(group.peak_blocks(max_model_len, in_flight) for group in groups)
