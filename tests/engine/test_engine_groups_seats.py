@@ -231,6 +231,10 @@ def test_the_window_policy_equals_the_lab_cache_masked(stories_model, calibratio
     eng = make(model, 3_000_000, kv_cache_dtype=dtype, pre_rope_keys=pre_rope, kv_calibration=path,
                kv_window=POLICY_WINDOW, sink_tokens=sinks)
     assert [(group.window, group.sinks) for group in eng.pool.groups] == [(POLICY_WINDOW + 1, sinks)]
+    spec = model.config.to_plan_spec().with_kv_window(POLICY_WINDOW, sinks)
+    plan = engine_capacity(spec, 3_000_000, eng.max_model_len, cache_formats(dtype, model_dtype="fp32"), BLOCK,
+                           SEATS if dtype.startswith(("kivi", "kvquant")) else 0, 512)
+    assert eng.capacity_lines == plan["log_lines"]
     got, released = serve(eng, work)
     assert got == want
     assert released
