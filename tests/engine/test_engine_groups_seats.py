@@ -255,3 +255,25 @@ def calibration_for_stories(stories_model, tmp_path_factory):
 def test_a_kivi_window_narrower_than_the_residual_is_refused_in_one_line(stories_model):
     with pytest.raises(RequestError, match="narrower than kivi4's full-precision residual"):
         make(stories_model, 2_000_000, kv_cache_dtype="kivi4", kv_window=100)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["kivi4", "kivi2"])
+def test_kivi_on_sliding_layers_in_c_equals_the_module_path(kv_cache_dtype):
+    """The C step runs KIVI over the sliding groups (each row's window starting inside a key group, the
+    released blocks skipped) as the module path does: the same greedy tokens, the pool free after."""
+    from kvlab.nn.kernels import kernels
+    from kvlab.nn.pack import pack_q8_0
+
+    if kernels() is None:
+        pytest.skip("no C kernels on this machine")
+    model = pack_q8_0(tiny_model(max_seq_len=512, sliding_window=WINDOW, dim=64, head_dim=32, ffn_dim=96,
+                                 embed_scale=8.0))
+    work = prompts()
+    module = make(model, 3_000_000, kv_cache_dtype=kv_cache_dtype, paged_step=False)
+    fused = make(model, 3_000_000, kv_cache_dtype=kv_cache_dtype, paged_step=True)
+    assert fused.decode_path == "fused C step" and module.decode_path == "module by module"
+    want, _ = serve(module, work)
+    got, released = serve(fused, work)
+    assert got == want
+    assert released
+    assert_free(fused)

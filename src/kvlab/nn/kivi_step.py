@@ -28,9 +28,8 @@ def why_not_kivi(config, pool: KVPool) -> Optional[str]:
     if (pool.num_layers, pool.kv_heads, pool.k_head_dim, pool.v_head_dim) != \
             (config.n_layers, config.kv_heads, d, d):
         return "the pool was not built for this model's layers, KV heads and head dim"
-    if any(config.window_of(i) for i in range(config.n_layers)) or any(group.window for group in pool.groups):
-        return (f"the C step's {fmt.name} attention reads every position; sliding layers and --kv-window run "
-                "module by module")
+    if any(group.sinks for group in pool.groups):
+        return f"the C step's {fmt.name} attention has no sink chunks; --sink-tokens runs module by module"
     if fmt.group_size > KIVI_MAX_GROUP or (fmt.group_size < d and fmt.group_size % 8):
         return (f"the C step runs {fmt.name} groups of a multiple of 8 (or at least the head dim) up to "
                 f"{KIVI_MAX_GROUP}, not {fmt.group_size}")

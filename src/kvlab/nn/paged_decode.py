@@ -93,6 +93,8 @@ def why_not_paged(model: Decoder, pool) -> Optional[str]:
     if not isinstance(pool, KVPool) or pool.device.type != "cpu":
         return "the cache must be a kvlab.cache.KVPool on the CPU"
     if pool.kivi is not None:
+        if any(not _window_fits(pool.group(layer).window, config.window_of(layer)) for layer in range(config.n_layers)):
+            return "the pool's windows are not the model's"
         return why_not_kivi(config, pool)
     if pool.is_latent != (config.attention == "mla"):
         return "the pool's rows are not this model's (MLA latents for an MLA model, K/V heads otherwise)"

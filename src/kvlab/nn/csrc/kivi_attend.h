@@ -370,10 +370,14 @@ static inline __attribute__((always_inline)) void kivi_attend_chunk(const llama_
                                                                    const paged_view *v, int unit, const float *qkv,
                                                                    int width, scratch *s, const int dtype) {
     const int d = m->head_dim, hkv = m->n_kv_heads, group = m->n_heads / hkv, bs = v->block_size;
-    const int G = m->group_size, ring = m->kivi_residual + G, L = s->layout;
-    const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = chunks_at(pos, 0);
-    const int local = unit - s->unit_first[L][r], kvh = local / chunks, ch = local % chunks;
-    const int start = ch * CHUNK, end = (ch + 1) * CHUNK <= pos + 1 ? (ch + 1) * CHUNK : pos + 1;
+    const int G = m->group_size, ring = m->kivi_residual + G, L = s->layout, window = s->layout_window[L];
+    const int r = s->unit_row[L][unit], pos = v->positions[r], chunks = chunks_at(pos, window);
+    const int local = unit - s->unit_first[L][r], kvh = local / chunks;
+    /* a sliding layer's chunks start at its window's first position (no sinks: check_kivi), which may fall
+     * inside a key group: kivi_heads folds each group's scales from whichever of its tokens comes first */
+    const int first = first_seen(pos, window), ch = first / CHUNK + local % chunks;
+    const int start = ch * CHUNK > first ? ch * CHUNK : first;
+    const int end = (ch + 1) * CHUNK <= pos + 1 ? (ch + 1) * CHUNK : pos + 1;
     const int seat = m->kivi_rows[2 * r], quantised = m->kivi_rows[2 * r + 1];
     const int nq = quantised <= start ? 0 : quantised >= end ? end - start : quantised - start;
     const int32_t *table = v->tables + (size_t)r * v->max_blocks;
@@ -431,7 +435,7 @@ static int check_kivi(const llama_model *m, int rows, const int32_t *positions, 
         return -4;
     for (int i = 0; i < m->n_layers; i++) {
         const llama_layer *l = &m->layers[i];
-        if (l->window || l->attention != ATTN_GQA || !l->k.data || !l->k.scale || !l->k.zero || !l->k.ring ||
+        if (l->sinks || l->attention != ATTN_GQA || !l->k.data || !l->k.scale || !l->k.zero || !l->k.ring ||
             !l->v.data || !l->v.scale || !l->v.zero || !l->v.ring)
             return -4;
     }
