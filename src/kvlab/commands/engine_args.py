@@ -46,7 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share full prompt blocks between requests (default on, as in vLLM)")
     cache.add_argument("--kv-window", type=positive_int,
                        help="StreamingLLM's policy: each query sees the --sink-tokens first tokens and the newest "
-                            "W; blocks out of every future window go back to the pool (module-by-module steps)")
+                            "W; blocks out of every future window go back to the pool (in the C step for float and int "
+                            "formats without --pre-rope-keys, and KIVI without sinks; KVQuant takes no --sink-tokens)")
     cache.add_argument("--sink-tokens", type=non_negative_int, default=0,
                        help="with --kv-window: attention sinks kept (default 0)")
     sched = parser.add_argument_group("scheduler")

@@ -58,8 +58,8 @@ def section(rows: list[dict], runs: dict) -> list[str]:
         f"- Seats: `kvlab plan gemma-3-270m --context {SERVE_CONTEXT} --gpu ...` with the row's cache dtype: "
         "what a server that drops a sliding layer's rows outside its window holds, in every format.",
         "- Engine: as SmolLM2's two columns, on the Q4_K_M GGUF in kvlab's engine (its pool holds the sliding and "
-        "global layers as two KV groups, and hands back what a window leaves behind). It refuses KIVI, KVQuant "
-        "and pre-RoPE pools on sliding layers (they keep every token's row): those cells give its one-line reason.",
+        "global layers as two KV groups, and hands back what a window leaves behind, in every format: KIVI's and "
+        "KVQuant's seats stay per layer). A setting the engine refuses gives its one-line reason instead.",
         "- Not measured, and why: KV-head conversions (it has one KV head).",
         "",
         *table(["KV setting", "KV MiB per 8k sequence", "perplexity", "vs fp16", "per window", "passkey d=0.1",
