@@ -116,7 +116,8 @@ class KVQuantPlanes:
         if RELEASED in list(table[:-(-first // self.block_size)]):  # a sliding group: earlier rows handed back
             used = self.k_used[layer, seat].clone()
         else:  # every earlier row held (what the C step, which keeps no count, writes too)
-            used = self._rows(self.k_counts[layer], self._held(table, first), self.sinks, first).long().sum(dim=(-2, -1))
+            counts = self._rows(self.k_counts[layer], self._held(table, first), self.sinks, first)
+            used = counts.long().sum(dim=(-2, -1))
         xn = keys.normalise(k[None])[0]  # [H, n, D]
         mask = take_outliers(xn, used, before, self.percent)
         head, row, channel = mask.nonzero(as_tuple=True)  # in row order within each head
