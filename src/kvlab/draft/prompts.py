@@ -119,6 +119,31 @@ def sharegpt_questions(path: str, limit: int, seed: int = 0) -> list[str]:
     return out[:limit]
 
 
+def sharegpt_conversations(path: str, limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (first human turn, first answer) pairs whose question is not held out: text to run the
+    target over (teacher-forced), for a draft head's features. The held-out questions are those
+    `split(questions("chat"), held_out=True)` measures on, at any `questions` limit (the split is by
+    index in one shuffled order, so the held-out set of a longer list holds every shorter list's)."""
+    everything = sharegpt_questions(path, limit=len(json_list_prefix(path)))
+    held_out = set(split(everything, held_out=True))
+    out = []
+    for entry in json_list_prefix(path):
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
+            continue
+        question, answer = (turns[0].get("value"), turns[1].get("value"))
+        if (turns[0].get("from"), turns[1].get("from")) != ("human", "gpt") or not isinstance(question, str) \
+                or not isinstance(answer, str):
+            continue
+        question, answer = question.strip(), answer.strip()
+        if 12 <= len(question) <= MAX_QUESTION_CHARS and question.isascii() and answer.isascii() and answer \
+                and question not in held_out:
+            out.append((question, answer))
+    out = sorted(set(out))
+    random.Random(1).shuffle(out)
+    return out[:limit]
+
+
 def questions(workload: str, limit: int = 2000, source: str = "auto") -> tuple[list[str], str]:
     """(prompts, where they came from) for one workload; `source` "builtin" ignores ShareGPT."""
     if workload not in WORKLOADS:
