@@ -40,7 +40,7 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.engine.errors import RequestError
-from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
+from kvlab.engine.sampling import Sampled, SamplingParams, draw, drawn, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.eagle_proposer import record_features
@@ -264,7 +264,7 @@ class ModelRunner:
                     token, dist = int(logits[row].argmax()), None
                 else:
                     dist = torch.softmax(filtered_logits(logits[row], seq.params), dim=-1)
-                    token = int(torch.multinomial(dist, 1, generator=seq.generator or self.generator))
+                    token = draw(dist[None], seq.generator or self.generator)[0]
                 drafts[i].append(token)
                 dists[i].append(dist)
         q = [torch.stack(d) if d and d[0] is not None else None for d in dists]
