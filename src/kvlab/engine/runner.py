@@ -47,6 +47,7 @@ from kvlab.engine.eagle_proposer import record_features
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
 from kvlab.nn.matmul_backend import uses_library
+from kvlab.nn.threads import one_thread
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
@@ -157,7 +158,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(seqs, lens)):
             start = seq.num_computed
             if drafts[i]:
-                out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
+                with one_thread():
+                    out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
             if hidden is not None:  # the rows whose K/V stay: a prompt chunk's all, a verification's accepted
                 first = int(ends[i]) - n
                 kept = seq.num_computed - start if drafts[i] else n
@@ -175,7 +177,8 @@ class ModelRunner:
             whole = picked == list(range(logits.shape[0]))
             chosen, raw = (logits if whole else logits[picked]), None
             if self.logits_processor is not None:
-                chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
+                with one_thread():  # as the sampler (kvlab.nn.threads.one_thread)
+                    chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
             drawn = sample_rows(chosen, [seqs[i].params for i in plain],
                                 [seqs[i].generator for i in plain], self.generator, raw)
             for i, sampled in zip(plain, drawn):

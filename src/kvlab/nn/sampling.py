@@ -16,6 +16,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from kvlab.nn.threads import one_thread
+
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
 
 
@@ -83,6 +85,7 @@ def cut_logits(x: torch.Tensor, params: RowSettings) -> torch.Tensor:
     return x
 
 
+@one_thread()
 def sample_rows(logits: torch.Tensor, params: Sequence[RowSettings],
                 generators: Sequence[Optional[torch.Generator]], default: torch.Generator,
                 raw: Optional[torch.Tensor] = None) -> list[Sampled]:
@@ -91,7 +94,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[RowSettings],
 
     The sampled rows are scaled and soft-maxed together, and the rows drawing from the engine's
     own generator (no seed of their own) draw in one call (`draw`), in row order. A seeded request
-    draws alone, from its own generator."""
+    draws alone, from its own generator. All on one thread (kvlab.nn.threads.one_thread)."""
     sampled = [row for row, p in enumerate(params) if not p.greedy]
     greedy = [row for row, p in enumerate(params) if p.greedy]  # an argmax over the vocabulary for these alone
     tokens = [0] * len(params)
