@@ -3,6 +3,7 @@
 import torch
 
 from kvlab.engine.sampling import SamplingParams, sample_rows
+from kvlab.nn.sampling import draw, invert_cdf
 
 
 def peaked(vocab: int, token: int) -> torch.Tensor:
@@ -55,3 +56,22 @@ def test_shared_rows_follow_their_distributions():
     for row, temperature in enumerate((1.0, 0.25)):
         expected = torch.softmax(logits[row] / temperature, -1)
         assert (counts[row] / 3000 - expected).abs().max() < 0.03
+
+
+def test_the_inverse_cdf_never_draws_a_token_of_weight_zero():
+    """u = 0 takes the first token of positive weight; u = 1 (rounding can put u x total at the
+    total) the last, never the zero-weight tokens around them."""
+    weights = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]] * 5, dtype=torch.float64)
+    cdf = weights.cumsum(-1)
+    uniforms = torch.tensor([[0.0], [0.3], [0.4], [0.999999], [1.0]], dtype=torch.float64)
+    assert invert_cdf(cdf, uniforms) == [1, 1, 3, 3, 3]
+
+
+def test_draw_follows_the_weights_and_skips_cut_tokens():
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0]])
+    generator = torch.Generator().manual_seed(5)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[draw(weights, generator)[0]] += 1
+    assert counts[0] == counts[2] == 0
+    assert abs(counts[3] / 4000 - 0.75) < 0.03

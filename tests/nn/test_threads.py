@@ -81,3 +81,25 @@ def test_a_large_step_runs_on_all_threads_and_is_not_recorded():
     with g.step("prefill", tokens=2048) as chosen:
         assert chosen == g.threads
     assert "prefill" not in g.times and g.single_threaded_steps == 0
+
+
+def test_one_thread_runs_the_body_on_one_thread_and_restores_the_count():
+    from kvlab.nn.sampling import Plain, sample_rows
+    from kvlab.nn.threads import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        seen = []
+        original = torch.Tensor.argmax
+        torch.Tensor.argmax = lambda self, *a, **k: seen.append(torch.get_num_threads()) or original(self, *a, **k)
+        try:
+            sample_rows(torch.randn(2, 8), [Plain(), Plain()], [None, None], torch.Generator())
+        finally:
+            torch.Tensor.argmax = original
+        assert seen == [1] and torch.get_num_threads() == 2  # the sampler ran on one thread
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from kvlab.engine.sampling import filtered_logits
+from kvlab.engine.sampling import draw, filtered_logits
 from kvlab.engine.sequence import Sequence
 from kvlab.nn.eagle import EagleHead
 from kvlab.nn.c_model import embed_rows
@@ -113,7 +113,7 @@ class EagleProposer:
                     token, dist = int(self.head.d2t[row.argmax()]), None
                 else:
                     dist = torch.softmax(filtered_logits(self.head.full_logits(row), seq.params), dim=-1)
-                    token = int(torch.multinomial(dist, 1, generator=seq.generator or generator))
+                    token = draw(dist[None], seq.generator or generator)[0]
                 drafts[i].append(token)
                 dists.append(dist)
                 if round_ + 1 < budget:  # the drafted token and the head's own feature: the next round's position

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from kvlab.engine.eagle_proposer import packed_head
-from kvlab.engine.sampling import filtered_logits
+from kvlab.engine.sampling import draw, filtered_logits
 from kvlab.engine.sequence import Sequence
 from kvlab.nn.medusa import MedusaHead
 
@@ -57,6 +57,6 @@ class MedusaProposer:
                 continue
             dists = torch.stack([torch.softmax(filtered_logits(self.head.full_logits(row), seq.params), dim=-1)
                                  for row in logits[n, :k]])
-            drafts[i] = [int(torch.multinomial(d, 1, generator=seq.generator or generator)) for d in dists]
+            drafts[i] = draw(dists, seq.generator or generator)
             q[i] = dists
         return drafts, q

@@ -40,13 +40,14 @@ import torch
 from kvlab.cache.pool import KVPool
 from kvlab.cache.step import StepBatch
 from kvlab.engine.errors import RequestError
-from kvlab.engine.sampling import Sampled, SamplingParams, drawn, filtered_logits, sample_rows
+from kvlab.engine.sampling import Sampled, SamplingParams, draw, drawn, filtered_logits, sample_rows
 from kvlab.engine.scheduler import ScheduledStep, draft_budget
 from kvlab.engine.sequence import Sequence
 from kvlab.engine.eagle_proposer import record_features
 from kvlab.engine.speculative import SpecStats, SpeculativeConfig, accept, ngram_proposal, target_probs
 from kvlab.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_rows
 from kvlab.nn.matmul_backend import uses_library
+from kvlab.nn.threads import one_thread
 
 PagedStep = Callable[[torch.Tensor, StepBatch], torch.Tensor]  # (ids [S], decode batch) -> logits [S, V]
 C_FEED_LIMIT = 16  # a proposer round feeding more tokens than this for a sequence (a prompt) runs module by module
@@ -157,7 +158,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(seqs, lens)):
             start = seq.num_computed
             if drafts[i]:
-                out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
+                with one_thread():
+                    out[i] = self._verify(seq, drafts[i], logits[rows[i]], q[i])
             if hidden is not None:  # the rows whose K/V stay: a prompt chunk's all, a verification's accepted
                 first = int(ends[i]) - n
                 kept = seq.num_computed - start if drafts[i] else n
@@ -175,7 +177,8 @@ class ModelRunner:
             whole = picked == list(range(logits.shape[0]))
             chosen, raw = (logits if whole else logits[picked]), None
             if self.logits_processor is not None:
-                chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
+                with one_thread():  # as the sampler (kvlab.nn.threads.one_thread)
+                    chosen, raw = self.logits_processor.apply(chosen, [seqs[i] for i in plain])
             drawn = sample_rows(chosen, [seqs[i].params for i in plain],
                                 [seqs[i].generator for i in plain], self.generator, raw)
             for i, sampled in zip(plain, drawn):
@@ -264,7 +267,7 @@ class ModelRunner:
                     token, dist = int(logits[row].argmax()), None
                 else:
                     dist = torch.softmax(filtered_logits(logits[row], seq.params), dim=-1)
-                    token = int(torch.multinomial(dist, 1, generator=seq.generator or self.generator))
+                    token = draw(dist[None], seq.generator or self.generator)[0]
                 drafts[i].append(token)
                 dists[i].append(dist)
         q = [torch.stack(d) if d and d[0] is not None else None for d in dists]

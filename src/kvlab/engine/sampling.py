@@ -23,7 +23,8 @@ import torch
 from kvlab.engine.errors import RequestError
 from kvlab.engine.structured import StructuredOutputsParams
 # the sampler itself is the one kvlab.nn.sampling holds (the lab's decode loop draws there too)
-from kvlab.nn.sampling import SAMPLING_EPS, Sampled, cut_logits, drawn, filtered_logits, sample_rows  # noqa: F401
+from kvlab.nn.sampling import (SAMPLING_EPS, Sampled, cut_logits, draw, drawn, filtered_logits,  # noqa: F401
+                               sample_rows)
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_N = 64  # samples per prompt: one request's samples always fit one batch of the default --max-num-seqs
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value; vLLM clamps to it, kvlab refuses beyond

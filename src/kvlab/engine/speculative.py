@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from kvlab.engine.errors import RequestError
-from kvlab.engine.sampling import SamplingParams, filtered_logits
+from kvlab.engine.sampling import SamplingParams, draw, filtered_logits
 
 METHODS = ("ngram", "self", "draft_model", "eagle", "medusa")
 
@@ -133,9 +133,9 @@ def accept(drafts: Sequence[int], p: torch.Tensor, q: Optional[torch.Tensor], pa
         residual = (p[i] - (one_hot if q is None else q[i])).clamp_min(0)
         if float(residual.sum()) <= 0:  # p == q: the rejection had probability 0; keep p
             residual = p[i]
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        out.append(draw(residual[None], generator)[0])
         return out, i
-    out.append(int(torch.multinomial(p[k], 1, generator=generator)))  # all accepted: the bonus token
+    out.append(draw(p[k][None], generator)[0])  # all accepted: the bonus token
     return out, k
 
 
