@@ -116,20 +116,18 @@ def engine_capacity(spec: ModelSpec, available_bytes: int, max_model_len: int, f
     residual = seats * seat_bytes(spec, formats, max_model_len)
     fixed = kv_fixed_bytes(spec, formats)
     groups = layer_groups(spec, block_size)
+    pages = [page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared]
+    if len(groups) == 1:  # a block is every layer's page
+        block = sum(pages)
+    elif len(set(pages)) > 1 or len({group.block_size for group in groups}) > 1:
+        raise PlanError(f"{name} pools need every layer's page alike; {spec.name}'s layers differ")
+    else:  # a block is a page in each of group_size layers
+        block = pages[0] * max(group.layers for group in groups)
+    num_blocks = max(0, available_bytes - residual - fixed) // block
     if len(groups) == 1 and groups[0].window is None:  # every layer full: a request needs every block of its length
-        block = sum(page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
-        num_blocks = max(0, available_bytes - residual - fixed) // block
         tokens = num_blocks * block_size
         concurrency = num_blocks / -(-max_model_len // block_size)
-    else:
-        pages = {page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared}
-        if len(groups) == 1:  # one windowed group (the sinks + window policy): a block is every layer's page
-            block = sum(page(layer, formats, block_size) for layer in spec.layers if not layer.kv_shared)
-        elif len(pages) > 1 or len({group.block_size for group in groups}) > 1:
-            raise PlanError(f"{name} pools need every layer's page alike; {spec.name}'s layers differ")
-        else:
-            block = pages.pop() * max(group.layers for group in groups)
-        num_blocks = max(0, available_bytes - residual - fixed) // block
+    else:  # a windowed group needs only its peak pages (its window and the in-flight tokens)
         in_flight = release(DEFAULT_VERSION).in_flight_tokens("cpu", max_num_batched_tokens)
         concurrency = num_blocks / sum(group.peak_blocks(max_model_len, in_flight) for group in groups)
         tokens = int(concurrency * max_model_len)
