@@ -115,14 +115,10 @@ class KiviPlanes:
              dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """A sequence's first `length` keys and values [H, length, D] of layer `layer`: its quantised tokens
         dequantised, then its residual, in `dtype`; every block must be held."""
-        q = self.quantised(length)
-        used = list(table[:-(-q // self.block_size)])
-        if RELEASED in used:
+        if RELEASED in list(table[:-(-self.quantised(length) // self.block_size)]):
             raise CacheError("the block table has released blocks: use read_held")
-        keys, values = self._dequantise(layer, torch.as_tensor(used, dtype=torch.long), dtype)
-        held = torch.arange(q, length) % self.ring
-        return (torch.cat((keys[:, :q], self.k_ring[layer][seat][:, held].to(dtype)), dim=1),
-                torch.cat((values[:, :q], self.v_ring[layer][seat][:, held].to(dtype)), dim=1))
+        keys, values, _ = self.read_held(layer, table, seat, length, dtype)
+        return keys, values
 
     def read_held(self, layer: int, table: Sequence[int], seat: int, length: int,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
